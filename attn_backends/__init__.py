@@ -1,0 +1,83 @@
+"""attn-backends: pick and run a no-KV-cache prefill attention kernel on packed QKV.
+
+One contract (`forward` on packed QKV views, RoPE/logn in place, padding rows trimmed), one
+selector that explains itself, and backends that arrive as pluggy plugins.
+"""
+
+from __future__ import annotations
+
+from ._backend import PrefillBackend
+from ._capabilities import Capabilities, PriorityRule, check_capabilities
+from ._contract import Fp8Scales, InputLayout, PrefillPlan, QKVInput, QKVViews, split_views
+from ._errors import (
+    AttentionBackendError,
+    BackendFailure,
+    KVCacheFlagError,
+    NoBackendError,
+    PackedQKVError,
+    ParamsError,
+    PlatformError,
+    SpecError,
+    UnboundBackendError,
+)
+from ._flags import derive_need_rope_kv_cache
+from ._hooks import ENTRY_POINT_GROUP, PLUGIN_API_VERSION, PluginManifest, hookimpl, hookspec
+from ._params import FMHAParams
+from ._platform import Platform, detect_platform, parse_platform
+from ._protocol import NoCachePrefill
+from ._reasons import Reason, ReasonCode
+from ._reference import TOLERANCE, reference_attention, relative_error
+from ._registry import PluginRecord, Registry, get_registry, reset_registry
+from ._selector import Candidate, Selection, clear_selection_cache, select
+from ._spec import AttentionSpec, HeadwiseConfig, RopeSpec
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "ENTRY_POINT_GROUP",
+    "PLUGIN_API_VERSION",
+    "TOLERANCE",
+    "AttentionBackendError",
+    "AttentionSpec",
+    "BackendFailure",
+    "Candidate",
+    "Capabilities",
+    "FMHAParams",
+    "Fp8Scales",
+    "HeadwiseConfig",
+    "InputLayout",
+    "KVCacheFlagError",
+    "NoBackendError",
+    "NoCachePrefill",
+    "PackedQKVError",
+    "ParamsError",
+    "Platform",
+    "PlatformError",
+    "PluginManifest",
+    "PluginRecord",
+    "PrefillBackend",
+    "PrefillPlan",
+    "PriorityRule",
+    "QKVInput",
+    "QKVViews",
+    "Reason",
+    "ReasonCode",
+    "Registry",
+    "RopeSpec",
+    "Selection",
+    "SpecError",
+    "UnboundBackendError",
+    "check_capabilities",
+    "clear_selection_cache",
+    "derive_need_rope_kv_cache",
+    "detect_platform",
+    "get_registry",
+    "hookimpl",
+    "hookspec",
+    "parse_platform",
+    "reference_attention",
+    "relative_error",
+    "reset_registry",
+    "select",
+    "split_views",
+]

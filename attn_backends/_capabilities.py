@@ -1,0 +1,192 @@
+"""Backend capabilities as data, and the one generic check every backend's `supports` starts with."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+from ._dtypes import dtype_name
+from ._platform import Platform, PlatformKind
+from ._reasons import Reason, ReasonCode
+from ._spec import AttentionSpec
+
+
+def _names(values: frozenset[int] | frozenset[str] | frozenset[torch.dtype]) -> str:
+    return ", ".join(sorted(dtype_name(v) if isinstance(v, torch.dtype) else str(v) for v in values))
+
+
+@dataclass(frozen=True)
+class PriorityRule:
+    """How eagerly a backend wants a class of requests on a platform; the first match wins.
+
+    ``None`` fields match anything. ``note`` says where the number comes from (a measurement,
+    a policy), and is shown by ``explain``.
+    """
+
+    platform: PlatformKind
+    score: int
+    min_sm: int | None = None
+    max_sm: int | None = None
+    rocm_archs: frozenset[str] | None = None
+    gqa: bool | None = None
+    causal: bool | None = None
+    head_dims: frozenset[int] | None = None
+    note: str = ""
+
+    def matches(self, spec: AttentionSpec, platform: Platform) -> bool:
+        if platform.kind != self.platform:
+            return False
+        sm = platform.sm
+        if self.min_sm is not None and (sm is None or sm < self.min_sm):
+            return False
+        if self.max_sm is not None and (sm is None or sm > self.max_sm):
+            return False
+        if self.rocm_archs is not None and platform.arch not in self.rocm_archs:
+            return False
+        if self.gqa is not None and spec.is_gqa != self.gqa:
+            return False
+        if self.causal is not None and spec.causal != self.causal:
+            return False
+        return self.head_dims is None or spec.head_dim in self.head_dims
+
+    def describe(self) -> str:
+        parts = [self.platform]
+        if self.min_sm is not None or self.max_sm is not None:
+            parts.append(f"sm{self.min_sm or ''}..{self.max_sm or ''}")
+        if self.rocm_archs is not None:
+            parts.append("|".join(sorted(self.rocm_archs)))
+        if self.gqa is not None:
+            parts.append("GQA" if self.gqa else "MHA")
+        if self.causal is not None:
+            parts.append("causal" if self.causal else "bidirectional")
+        if self.head_dims is not None:
+            parts.append("d=" + "|".join(str(d) for d in sorted(self.head_dims)))
+        text = " ".join(parts)
+        return f"{text} ({self.note})" if self.note else text
+
+
+@dataclass(frozen=True)
+class Capabilities:
+    """What a backend can do, declared as data so that checks, docs and tests derive from it."""
+
+    platforms: frozenset[PlatformKind]
+    dtypes: frozenset[torch.dtype]
+    head_dims: frozenset[int] | None = None
+    """Exact head dims served; ``None`` means any head dim."""
+    min_sm: int | None = None
+    """Lowest CUDA compute capability (e.g. 80), for CUDA platforms."""
+    max_sm: int | None = None
+    rocm_archs: frozenset[str] | None = None
+    """gfx architectures served on ROCm; ``None`` means any."""
+    gqa: bool = True
+    causal: bool = True
+    bidirectional: bool = True
+    needs_contiguous: bool = False
+    """The kernel reads Q, K and V as dense tensors; the contract copies the views for it."""
+    mla: bool = False
+    headwise: bool = False
+    """Implements `HeadwiseConfig` masks; other backends refuse a headwise spec."""
+    fused_rope: bool = False
+    """Applies rotate-half RoPE over the whole head inside the kernel (no separate pass)."""
+    requires: tuple[str, ...] = ()
+    """Optional libraries (import names) the kernel needs."""
+    priority: tuple[PriorityRule, ...] = field(default=())
+
+    @property
+    def fp8(self) -> bool:
+        return any(dtype.is_floating_point and dtype.itemsize == 1 for dtype in self.dtypes)
+
+    def priority_for(self, spec: AttentionSpec, platform: Platform) -> PriorityRule | None:
+        """First rule matching the request; ``None``: never picked without an explicit choice."""
+        return next((rule for rule in self.priority if rule.matches(spec, platform)), None)
+
+    def to_dict(self) -> dict[str, object]:
+        return {
+            "platforms": sorted(self.platforms),
+            "dtypes": sorted(dtype_name(d) for d in self.dtypes),
+            "head_dims": sorted(self.head_dims) if self.head_dims is not None else "any",
+            "min_sm": self.min_sm,
+            "max_sm": self.max_sm,
+            "rocm_archs": sorted(self.rocm_archs) if self.rocm_archs is not None else "any",
+            "gqa": self.gqa,
+            "causal": self.causal,
+            "bidirectional": self.bidirectional,
+            "needs_contiguous": self.needs_contiguous,
+            "mla": self.mla,
+            "headwise": self.headwise,
+            "fused_rope": self.fused_rope,
+            "fp8": self.fp8,
+            "requires": list(self.requires),
+            "priority": [rule.describe() + f" -> {rule.score}" for rule in self.priority],
+        }
+
+
+def check_capabilities(
+    caps: Capabilities, spec: AttentionSpec, platform: Platform
+) -> list[Reason]:
+    """Every reason the declared capabilities rule the request out; empty when they fit."""
+    reasons: list[Reason] = []
+    if platform.kind not in caps.platforms:
+        reasons.append(
+            Reason(ReasonCode.PLATFORM, f"does not run on {platform.kind}", "platform",
+                   platform.kind, _names(frozenset(caps.platforms)))
+        )
+    elif platform.kind == "cuda":
+        sm = platform.sm
+        low = caps.min_sm if caps.min_sm is not None else 0
+        high = caps.max_sm if caps.max_sm is not None else 10**6
+        if sm is None or not low <= sm <= high:
+            allowed = f"sm{caps.min_sm or ''}..sm{caps.max_sm or ''}"
+            reasons.append(
+                Reason(ReasonCode.ARCH, "CUDA architecture not served", "arch",
+                       str(platform.arch), allowed)
+            )
+    elif platform.kind == "rocm" and caps.rocm_archs is not None:
+        if platform.arch not in caps.rocm_archs:
+            reasons.append(
+                Reason(ReasonCode.ARCH, "ROCm architecture not served", "arch",
+                       str(platform.arch), _names(caps.rocm_archs))
+            )
+    missing = [lib for lib in caps.requires if not platform.has_library(lib)]
+    if missing:
+        reasons.append(
+            Reason(ReasonCode.LIBRARY_MISSING, f"needs {', '.join(missing)}, not installed",
+                   "libraries", "absent", ", ".join(missing))
+        )
+    if spec.dtype not in caps.dtypes:
+        code = ReasonCode.FP8 if spec.is_fp8 else ReasonCode.DTYPE
+        reasons.append(
+            Reason(code, "input dtype not served", "dtype", dtype_name(spec.dtype),
+                   _names(caps.dtypes))
+        )
+    if caps.head_dims is not None and spec.head_dim not in caps.head_dims:
+        reasons.append(
+            Reason(ReasonCode.HEAD_DIM, "head dim not served", "head_dim", str(spec.head_dim),
+                   _names(caps.head_dims))
+        )
+    if spec.is_gqa and not caps.gqa:
+        reasons.append(
+            Reason(ReasonCode.GQA, "grouped-query attention not served", "num_kv_heads",
+                   f"{spec.num_heads}/{spec.num_kv_heads}", "num_kv_heads == num_heads")
+        )
+    if spec.causal and not caps.causal:
+        reasons.append(Reason(ReasonCode.CAUSAL, "causal masking not served", "causal", "True", "False"))
+    if not spec.causal and not caps.bidirectional:
+        reasons.append(
+            Reason(ReasonCode.BIDIRECTIONAL, "bidirectional attention not served", "causal",
+                   "False", "True")
+        )
+    if spec.use_mla and not caps.mla:
+        reasons.append(Reason(ReasonCode.MLA, "MLA attention not served", "use_mla", "True", "False"))
+    if spec.headwise is not None and not caps.headwise:
+        reasons.append(
+            Reason(ReasonCode.HEADWISE, "per-head (headwise) masks not implemented", "headwise",
+                   "HeadwiseConfig", "None")
+        )
+    if spec.headwise is None and caps.headwise:
+        reasons.append(
+            Reason(ReasonCode.HEADWISE, "needs a HeadwiseConfig on the spec", "headwise",
+                   "None", "HeadwiseConfig")
+        )
+    return reasons

@@ -1,0 +1,39 @@
+"""The plugin hook. Built-in and third-party backends register through the same one."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import pluggy
+
+from ._protocol import NoCachePrefill
+
+PROJECT_NAME = "attn_backends"
+ENTRY_POINT_GROUP = "attn_backends"
+PLUGIN_API_VERSION = "1.0"
+"""Version of the plugin API (hook + protocol + contract). A plugin built for another major
+version is refused."""
+
+hookspec = pluggy.HookspecMarker(PROJECT_NAME)
+hookimpl = pluggy.HookimplMarker(PROJECT_NAME)
+
+
+@dataclass(frozen=True)
+class PluginManifest:
+    """What a plugin's hook returns: the API version it was built for and its backends."""
+
+    api_version: str
+    backends: Sequence[NoCachePrefill]
+
+
+class HookSpecs:
+    """Hook specifications; pluggy validates every plugin against them."""
+
+    @hookspec
+    def attn_backends_register(self, host_api_version: str) -> PluginManifest:  # type: ignore[empty-body]
+        """Return the backends this plugin provides.
+
+        ``host_api_version`` is this library's `PLUGIN_API_VERSION`; a plugin may use it to
+        adapt, and must state its own in the manifest.
+        """

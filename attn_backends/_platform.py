@@ -1,0 +1,134 @@
+"""Where the selector runs: device kind, architecture and which optional libraries exist.
+
+Detection never imports a GPU library; it asks the package metadata, so it is cheap and safe
+on a bare CPU machine.
+"""
+
+from __future__ import annotations
+
+import importlib.metadata
+import importlib.util
+import re
+from dataclasses import dataclass, field
+from typing import Literal
+
+import torch
+
+from ._errors import PlatformError
+
+PlatformKind = Literal["cpu", "cuda", "rocm"]
+PLATFORM_KINDS: tuple[PlatformKind, ...] = ("cpu", "cuda", "rocm")
+
+# Import name -> distribution name, for the optional libraries backends declare.
+KNOWN_LIBRARIES: dict[str, str] = {
+    "flashinfer": "flashinfer-python",
+    "aiter": "amd-aiter",
+    "tensorrt_llm": "tensorrt-llm",
+}
+
+
+@dataclass(frozen=True)
+class Platform:
+    """A machine as the selector sees it.
+
+    ``assumed`` is True for a dry run (``platform="cuda:sm90"``): library checks are then
+    assumed to pass, and the decision record says so.
+    """
+
+    kind: PlatformKind
+    arch: str | None = None
+    """``sm90`` style for CUDA, ``gfx942`` style for ROCm, ``None`` for CPU."""
+    device_name: str | None = None
+    libraries: tuple[tuple[str, str | None], ...] = field(default=())
+    """(import name, version or None when absent), sorted; empty when ``assumed``."""
+    assumed: bool = False
+
+    def __str__(self) -> str:
+        return self.kind if self.arch is None else f"{self.kind}:{self.arch}"
+
+    @property
+    def sm(self) -> int | None:
+        """CUDA compute capability as an int (``sm90`` -> 90), else None."""
+        if self.kind != "cuda" or self.arch is None:
+            return None
+        match = re.fullmatch(r"sm_?(\d+)a?", self.arch)
+        return int(match.group(1)) if match else None
+
+    def library_version(self, name: str) -> str | None:
+        """Installed version of an optional library, None when absent."""
+        return dict(self.libraries).get(name)
+
+    def has_library(self, name: str) -> bool:
+        return self.assumed or self.library_version(name) is not None
+
+    def to_dict(self) -> dict[str, object]:
+        return {
+            "kind": self.kind,
+            "arch": self.arch,
+            "device_name": self.device_name,
+            "libraries": dict(self.libraries),
+            "assumed": self.assumed,
+        }
+
+
+def _library_version(import_name: str) -> str | None:
+    if importlib.util.find_spec(import_name) is None:
+        return None
+    dist = KNOWN_LIBRARIES.get(import_name, import_name)
+    try:
+        return importlib.metadata.version(dist)
+    except importlib.metadata.PackageNotFoundError:
+        return "unknown"
+
+
+def probe_libraries(names: tuple[str, ...] = tuple(KNOWN_LIBRARIES)) -> tuple[tuple[str, str | None], ...]:
+    """Versions of the given optional libraries without importing them."""
+    return tuple(sorted((name, _library_version(name)) for name in names))
+
+
+def detect_platform(device: torch.device | str | None = None) -> Platform:
+    """The platform of ``device``; ``None`` means the current accelerator, else the CPU."""
+    if device is None:
+        device = "cuda" if torch.cuda.is_available() else "cpu"
+    dev = torch.device(device)
+    libraries = probe_libraries()
+    if dev.type != "cuda":
+        return Platform(kind="cpu", device_name=None, libraries=libraries)
+    props = torch.cuda.get_device_properties(dev)
+    if torch.version.hip is not None:
+        arch = str(props.gcnArchName).split(":")[0]
+        return Platform(kind="rocm", arch=arch, device_name=props.name, libraries=libraries)
+    return Platform(
+        kind="cuda",
+        arch=f"sm{props.major}{props.minor}",
+        device_name=props.name,
+        libraries=libraries,
+    )
+
+
+_PLATFORM_RE = re.compile(r"^(cpu|cuda|rocm)(?::([A-Za-z0-9_]+))?$")
+
+
+def parse_platform(text: str) -> Platform:
+    """Parse ``cpu``, ``cuda:sm90`` or ``rocm:gfx942`` into an assumed (dry-run) platform."""
+    match = _PLATFORM_RE.match(text.strip().lower())
+    if match is None:
+        raise PlatformError(
+            f"cannot parse platform {text!r}; use cpu, cuda:sm<major><minor> (e.g. cuda:sm90) "
+            "or rocm:gfx<id> (e.g. rocm:gfx942)"
+        )
+    kind, arch = match.group(1), match.group(2)
+    if kind == "cpu":
+        if arch is not None:
+            raise PlatformError(f"cpu takes no architecture, got {text!r}")
+        return Platform(kind="cpu", assumed=True)
+    if arch is None:
+        raise PlatformError(f"{kind} needs an architecture, e.g. {kind}:{'sm90' if kind == 'cuda' else 'gfx942'}")
+    if kind == "cuda":
+        sm = re.fullmatch(r"sm_?(\d{2,3})(a?)", arch)
+        if sm is None:
+            raise PlatformError(f"CUDA architecture must look like sm90 or sm_90, got {arch!r}")
+        return Platform(kind="cuda", arch=f"sm{sm.group(1)}{sm.group(2)}", assumed=True)
+    if re.fullmatch(r"gfx[0-9a-f]+", arch) is None:
+        raise PlatformError(f"ROCm architecture must look like gfx942, got {arch!r}")
+    return Platform(kind="rocm", arch=arch, assumed=True)

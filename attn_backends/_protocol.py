@@ -1,0 +1,61 @@
+"""The `NoCachePrefill` protocol: what engines call and what backend plugins provide."""
+
+from __future__ import annotations
+
+from typing import Protocol, runtime_checkable
+
+import torch
+
+from ._capabilities import Capabilities
+from ._contract import Fp8Scales, PrefillPlan, QKVInput
+from ._params import FMHAParams
+from ._platform import Platform
+from ._reasons import Reason
+from ._spec import AttentionSpec
+
+
+@runtime_checkable
+class NoCachePrefill(Protocol):
+    """A no-KV-cache prefill attention backend.
+
+    A plugin registers one unbound instance per backend. `select` checks it with `supports`,
+    then calls `bind` to get an instance for one spec; engines call `prepare` once per batch and
+    `forward` once per layer on the bound instance.
+    """
+
+    @property
+    def name(self) -> str:
+        """Unique, stable name (``flashinfer``, ``torch-sdpa``...)."""
+        ...
+
+    @property
+    def capabilities(self) -> Capabilities:
+        """Declared limits, as data."""
+        ...
+
+    @property
+    def spec(self) -> AttentionSpec | None:
+        """The spec this instance is bound to; None for the registered, unbound instance."""
+        ...
+
+    def supports(self, spec: AttentionSpec, platform: Platform) -> list[Reason]:
+        """Every reason this backend cannot serve ``spec`` on ``platform``; empty if it can."""
+        ...
+
+    def bind(self, spec: AttentionSpec) -> NoCachePrefill:
+        """A new instance bound to ``spec``; ``supports`` has already returned no reason."""
+        ...
+
+    def describe(self, platform: Platform) -> dict[str, str]:
+        """Choices the bound instance makes internally (kernel variant...), for the record."""
+        ...
+
+    def prepare(self, params: FMHAParams) -> PrefillPlan:
+        """Per-batch planning; all host work happens here."""
+        ...
+
+    def forward(
+        self, qkv: QKVInput, plan: PrefillPlan, *, fp8_scales: Fp8Scales | None = None
+    ) -> torch.Tensor:
+        """Attention over packed QKV: ``[token_q_num, Hq * D]``; no host sync, no cache."""
+        ...

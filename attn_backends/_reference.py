@@ -1,0 +1,128 @@
+"""Float64 attention written from the definitions, independent of the contract's code paths.
+
+It takes the packed QKV as the engine hands it over (before any in-place RoPE), so it checks
+the whole no-cache path: RoPE, logn, masking, GQA and the trimming of padding rows.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from ._contract import Fp8Scales
+from ._params import FMHAParams
+from ._spec import AttentionSpec
+
+
+def _rotate(x: torch.Tensor, positions: torch.Tensor, spec: AttentionSpec) -> torch.Tensor:
+    """RoPE as a complex rotation of each (even, odd) or (i, i + r/2) pair."""
+    assert spec.rope is not None
+    r = spec.rotary_dim
+    half = r // 2
+    freqs = torch.tensor(
+        [spec.rope.theta ** (-2.0 * i / r) for i in range(half)],
+        dtype=torch.float64,
+        device=x.device,
+    )
+    angles = positions.to(torch.float64)[:, None] * freqs[None, :]
+    phase = torch.polar(torch.ones_like(angles), angles)[:, None, :]
+    head = x[..., :r]
+    if spec.rope.interleaved:
+        pairs = torch.complex(head[..., 0::2], head[..., 1::2]) * phase
+        rotated = torch.stack((pairs.real, pairs.imag), dim=-1).flatten(-2)
+    else:
+        pairs = torch.complex(head[..., :half], head[..., half:]) * phase
+        rotated = torch.cat((pairs.real, pairs.imag), dim=-1)
+    return torch.cat((rotated, x[..., r:]), dim=-1)
+
+
+def _mask(spec: AttentionSpec, length: int, heads: range, device: torch.device) -> torch.Tensor:
+    """Boolean ``[heads, L, L]`` of visible keys for one sequence."""
+    i = torch.arange(length, device=device)[:, None]
+    j = torch.arange(length, device=device)[None, :]
+    full = (j <= i) if spec.causal else torch.ones(length, length, dtype=torch.bool, device=device)
+    masks = full.expand(len(heads), length, length).clone()
+    hw = spec.headwise
+    if hw is not None and not hw.is_full_for(length):
+        window = full & ((j < hw.sink_token_num) | (i - j <= hw.swa_token_num))
+        for n, h in enumerate(heads):
+            if h not in hw.retrieval_heads:
+                masks[n] = window
+    return masks
+
+
+def reference_attention(
+    qkv: torch.Tensor,
+    spec: AttentionSpec,
+    params: FMHAParams,
+    *,
+    fp8_scales: Fp8Scales | None = None,
+    compute_device: torch.device | str | None = None,
+) -> torch.Tensor:
+    """``[token_q_num, Hq * D]`` float64 attention of the valid rows of a packed QKV buffer.
+
+    Computed on ``compute_device`` (default: the buffer's device; a GPU does float64 too).
+    """
+    tokens = params.token_q_num
+    device = qkv.device if compute_device is None else torch.device(compute_device)
+    x = qkv[:tokens].detach().to(device, torch.float64)
+    hq, hkv, d = spec.num_heads, spec.num_kv_heads, spec.head_dim
+    q = x[:, : hq * d].reshape(tokens, hq, d)
+    k = x[:, hq * d : (hq + hkv) * d].reshape(tokens, hkv, d)
+    v = x[:, (hq + hkv) * d :].reshape(tokens, hkv, d)
+    if fp8_scales is not None:
+        q = q * float(fp8_scales.q)
+        k = k * float(fp8_scales.k)
+        v = v * float(fp8_scales.v)
+    positions = torch.cat([torch.arange(n, device=device) for n in params.input_lengths])
+    if spec.rope is not None:
+        q = _rotate(q, positions, spec)
+        k = _rotate(k, positions, spec)
+    if spec.use_logn_attn:
+        assert spec.logn_base is not None
+        factor = torch.tensor(
+            [max(1.0, math.log(p + 1) / math.log(spec.logn_base)) for p in positions.tolist()],
+            dtype=torch.float64,
+            device=device,
+        )
+        q = q * factor[:, None, None]
+    k = k.repeat_interleave(spec.group_size, dim=1)
+    v = v.repeat_interleave(spec.group_size, dim=1)
+    out = torch.zeros(tokens, hq, d, dtype=torch.float64, device=device)
+    start = 0
+    for length in params.input_lengths:
+        end = start + length
+        # Bound the [heads, L, L] score block to about 256 MiB.
+        chunk = max(1, (1 << 25) // max(1, length * length))
+        for h0 in range(0, hq, chunk):
+            heads = range(h0, min(hq, h0 + chunk))
+            qs = q[start:end, h0 : heads.stop].transpose(0, 1)
+            ks = k[start:end, h0 : heads.stop].transpose(0, 1)
+            vs = v[start:end, h0 : heads.stop].transpose(0, 1)
+            scores = (qs @ ks.transpose(1, 2)) * spec.scale
+            scores = scores.masked_fill(~_mask(spec, length, heads, device), float("-inf"))
+            out[start:end, h0 : heads.stop] = (torch.softmax(scores, dim=-1) @ vs).transpose(0, 1)
+        start = end
+    return out.reshape(tokens, hq * d)
+
+
+def relative_error(out: torch.Tensor, ref: torch.Tensor) -> float:
+    """``||out - ref|| / ||ref||`` in float64; NaN anywhere gives ``inf``."""
+    a = out.detach().to(ref.device, torch.float64)
+    diff = torch.linalg.vector_norm(a - ref)
+    norm = torch.linalg.vector_norm(ref)
+    value = float(diff / norm) if float(norm) > 0 else float(diff)
+    return value if math.isfinite(value) else math.inf
+
+
+# Relative-error bounds against the float64 reference, by input dtype. bf16 keeps 8 mantissa
+# bits and RoPE rounds Q/K back to the buffer dtype once, so its bound is the loosest.
+TOLERANCE: dict[torch.dtype, float] = {
+    torch.float32: 1e-4,
+    torch.float16: 5e-3,
+    torch.bfloat16: 1e-2,
+    torch.float8_e4m3fn: 8e-2,
+    torch.float8_e4m3fnuz: 8e-2,
+    torch.float8_e5m2: 1.5e-1,
+}

@@ -1,0 +1,218 @@
+"""Typed, validated description of one attention layer: what every backend decision keys on."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+import torch
+
+from ._dtypes import MODEL_DTYPES, dtype_name, is_fp8
+from ._errors import SpecError
+
+
+@dataclass(frozen=True)
+class RopeSpec:
+    """Rotary position embedding applied to Q and K before attention."""
+
+    theta: float
+    """Base of the inverse frequencies, e.g. 10000 for Llama-2, 1e6 for Qwen3."""
+    rotary_dim: int | None = None
+    """Leading dims of each head that rotate; ``None`` means the whole head."""
+    interleaved: bool = False
+    """``False``: rotate-half pairs ``(i, i + r/2)`` (Llama/Qwen in HF transformers).
+    ``True``: adjacent pairs ``(2i, 2i + 1)`` (GPT-J)."""
+
+    def __post_init__(self) -> None:
+        if not (isinstance(self.theta, (int, float)) and math.isfinite(self.theta)):
+            raise SpecError(f"RopeSpec.theta must be a finite number, got {self.theta!r}")
+        if self.theta <= 1.0:
+            raise SpecError(f"RopeSpec.theta must be > 1 (e.g. 10000.0), got {self.theta!r}")
+        if self.rotary_dim is not None and (
+            not isinstance(self.rotary_dim, int) or self.rotary_dim <= 0 or self.rotary_dim % 2
+        ):
+            raise SpecError(
+                f"RopeSpec.rotary_dim must be a positive even int or None, got {self.rotary_dim!r}"
+            )
+
+    def to_dict(self) -> dict[str, object]:
+        return {"theta": self.theta, "rotary_dim": self.rotary_dim, "interleaved": self.interleaved}
+
+
+@dataclass(frozen=True)
+class HeadwiseConfig:
+    """Per-head attention pattern for long causal sequences (rtp-llm's headwise prefill).
+
+    Retrieval heads keep full causal attention. Every other head lets the query at position
+    ``p`` see key ``j`` only when ``j <= p`` and (``j < sink_token_num`` or
+    ``p - j <= swa_token_num``): the sinks plus a window of ``swa_token_num + 1`` keys ending at
+    the query. A sequence with fewer than ``seqlen_threshold`` tokens (or fewer than
+    ``sink_token_num``) uses full attention on every head.
+    """
+
+    retrieval_heads: frozenset[int]
+    """Query-head indices (0-based) that keep full attention."""
+    sink_token_num: int = 4
+    swa_token_num: int = 8192
+    seqlen_threshold: int = 16384
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "retrieval_heads", frozenset(self.retrieval_heads))
+        if any(not isinstance(h, int) or h < 0 for h in self.retrieval_heads):
+            raise SpecError("HeadwiseConfig.retrieval_heads must be non-negative head indices")
+        for name, value in (
+            ("sink_token_num", self.sink_token_num),
+            ("swa_token_num", self.swa_token_num),
+            ("seqlen_threshold", self.seqlen_threshold),
+        ):
+            if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+                raise SpecError(f"HeadwiseConfig.{name} must be an int >= 0, got {value!r}")
+
+    def is_full_for(self, seq_len: int) -> bool:
+        """Whether a sequence of this length runs full attention on every head."""
+        return seq_len < self.seqlen_threshold or seq_len < self.sink_token_num
+
+    def to_dict(self) -> dict[str, object]:
+        return {
+            "retrieval_heads": sorted(self.retrieval_heads),
+            "sink_token_num": self.sink_token_num,
+            "swa_token_num": self.swa_token_num,
+            "seqlen_threshold": self.seqlen_threshold,
+        }
+
+
+def _positive_int(name: str, value: object) -> None:
+    if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
+        raise SpecError(f"AttentionSpec.{name} must be a positive int, got {value!r}")
+
+
+@dataclass(frozen=True)
+class AttentionSpec:
+    """One attention layer of the model, as the no-cache prefill path sees it.
+
+    Frozen and hashable, so it keys the selector's cache. Validated when built: a spec that
+    exists is consistent.
+    """
+
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    dtype: torch.dtype
+    """Dtype of the packed QKV input. FP8 dtypes mean per-tensor-scaled FP8 input."""
+    causal: bool
+    rope: RopeSpec | None = None
+    use_logn_attn: bool = False
+    """Scale Q at 0-based position p by ``max(1, ln(p + 1) / ln(logn_base))`` (Qwen logn)."""
+    logn_base: int | None = None
+    """Training context length that logn scaling is relative to; required with logn."""
+    softmax_scale: float | None = None
+    """``None`` means ``1 / sqrt(head_dim)``."""
+    use_mla: bool = False
+    headwise: HeadwiseConfig | None = field(default=None)
+
+    def __post_init__(self) -> None:
+        _positive_int("num_heads", self.num_heads)
+        _positive_int("num_kv_heads", self.num_kv_heads)
+        _positive_int("head_dim", self.head_dim)
+        if self.num_heads % self.num_kv_heads:
+            raise SpecError(
+                f"num_heads ({self.num_heads}) must be a multiple of num_kv_heads "
+                f"({self.num_kv_heads}) for grouped-query attention"
+            )
+        if not isinstance(self.dtype, torch.dtype) or self.dtype not in MODEL_DTYPES:
+            allowed = ", ".join(sorted(dtype_name(d) for d in MODEL_DTYPES))
+            raise SpecError(f"AttentionSpec.dtype must be one of {allowed}; got {self.dtype!r}")
+        if self.rope is not None:
+            if not isinstance(self.rope, RopeSpec):
+                raise SpecError(f"AttentionSpec.rope must be a RopeSpec or None, got {self.rope!r}")
+            rotary_dim = self.rope.rotary_dim
+            if rotary_dim is not None and rotary_dim > self.head_dim:
+                raise SpecError(
+                    f"RopeSpec.rotary_dim ({rotary_dim}) exceeds head_dim ({self.head_dim})"
+                )
+        if self.use_logn_attn:
+            if not isinstance(self.logn_base, int) or self.logn_base < 2:
+                raise SpecError(
+                    "use_logn_attn=True needs logn_base, the training context length (an int "
+                    f">= 2, e.g. 8192); got {self.logn_base!r}"
+                )
+        elif self.logn_base is not None:
+            raise SpecError("logn_base is set but use_logn_attn is False; set both or neither")
+        if self.softmax_scale is not None and not (
+            isinstance(self.softmax_scale, (int, float))
+            and math.isfinite(self.softmax_scale)
+            and self.softmax_scale > 0
+        ):
+            raise SpecError(f"softmax_scale must be a positive finite float, got {self.softmax_scale!r}")
+        if self.headwise is not None:
+            if not isinstance(self.headwise, HeadwiseConfig):
+                raise SpecError("AttentionSpec.headwise must be a HeadwiseConfig or None")
+            if not self.causal:
+                raise SpecError("headwise masks are causal; set causal=True or drop headwise")
+            bad = sorted(h for h in self.headwise.retrieval_heads if h >= self.num_heads)
+            if bad:
+                raise SpecError(
+                    f"headwise retrieval heads {bad} are out of range for {self.num_heads} heads"
+                )
+
+    @property
+    def group_size(self) -> int:
+        """Query heads per KV head (1 for MHA)."""
+        return self.num_heads // self.num_kv_heads
+
+    @property
+    def is_gqa(self) -> bool:
+        return self.num_heads != self.num_kv_heads
+
+    @property
+    def q_width(self) -> int:
+        return self.num_heads * self.head_dim
+
+    @property
+    def kv_width(self) -> int:
+        return self.num_kv_heads * self.head_dim
+
+    @property
+    def qkv_width(self) -> int:
+        """Columns of the packed QKV row: ``(Hq + 2 * Hkv) * D``."""
+        return self.q_width + 2 * self.kv_width
+
+    @property
+    def scale(self) -> float:
+        """The softmax scale actually used."""
+        return self.softmax_scale if self.softmax_scale is not None else self.head_dim**-0.5
+
+    @property
+    def is_fp8(self) -> bool:
+        return is_fp8(self.dtype)
+
+    @property
+    def output_dtype(self) -> torch.dtype:
+        """Model dtype of the output: the input dtype, or bfloat16 for FP8 input."""
+        return torch.bfloat16 if self.is_fp8 else self.dtype
+
+    @property
+    def rotary_dim(self) -> int:
+        """Rotated dims per head (0 without RoPE)."""
+        if self.rope is None:
+            return 0
+        return self.rope.rotary_dim if self.rope.rotary_dim is not None else self.head_dim
+
+    def to_dict(self) -> dict[str, object]:
+        return {
+            "num_heads": self.num_heads,
+            "num_kv_heads": self.num_kv_heads,
+            "head_dim": self.head_dim,
+            "dtype": dtype_name(self.dtype),
+            "causal": self.causal,
+            "rope": (
+                {**self.rope.to_dict(), "rotary_dim": self.rotary_dim}
+                if self.rope is not None
+                else None
+            ),
+            "use_logn_attn": self.use_logn_attn,
+            "logn_base": self.logn_base,
+            "softmax_scale": self.scale,
+            "use_mla": self.use_mla,
+            "headwise": self.headwise.to_dict() if self.headwise is not None else None,
+        }

@@ -1,0 +1,173 @@
+"""Conformance cases generated from a backend's declared capabilities.
+
+Each case varies one thing from a base (varlen with a single-token sequence) so a failure names
+its cause: mask, GQA, each RoPE style, logn, padding rows, strided input, tuple forms, zero-length
+and equal-length sequences, headwise masks. Refusal cases build a request the backend did not
+declare and expect `supports()` to say so with the matching reason code.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+from typing import Literal
+
+import torch
+
+from .._capabilities import Capabilities
+from .._dtypes import FP8_DTYPES, dtype_name
+from .._platform import Platform, PlatformKind, parse_platform
+from .._reasons import ReasonCode
+from .._spec import AttentionSpec, HeadwiseConfig, RopeSpec
+
+InputForm = Literal["plain", "strided", "tuple-none", "tuple-empty"]
+
+VARLEN = (5, 17, 1, 32)
+_FLOAT_ORDER = (torch.float32, torch.float16, torch.bfloat16)
+"""Most precise first: the full variation matrix runs on the tightest tolerance declared."""
+
+
+@dataclass(frozen=True)
+class ConformanceCase:
+    """One numeric check: a spec, a batch, and the way the QKV buffer is handed over."""
+
+    id: str
+    spec: AttentionSpec
+    lengths: tuple[int, ...] = VARLEN
+    padding_rows: int = 0
+    form: InputForm = "plain"
+
+
+@dataclass(frozen=True)
+class RefusalCase:
+    """A request outside the declared capabilities, and the reason code it must produce."""
+
+    id: str
+    spec: AttentionSpec
+    platform: Platform | None
+    """``None`` means the platform under test."""
+    code: ReasonCode
+
+
+def _pick_head_dims(caps: Capabilities) -> tuple[int, ...]:
+    declared = sorted(caps.head_dims) if caps.head_dims is not None else [64, 128]
+    preferred = [d for d in (128, 64) if d in declared]
+    return tuple(preferred[:2]) if preferred else tuple(declared[:1])
+
+
+def _float_dtypes(caps: Capabilities) -> list[torch.dtype]:
+    return [d for d in _FLOAT_ORDER if d in caps.dtypes]
+
+
+def conformance_cases(caps: Capabilities) -> list[ConformanceCase]:
+    """The numeric matrix for a backend, derived from what it declares."""
+    dtypes = _float_dtypes(caps)
+    if not dtypes:
+        return []
+    head_dims = _pick_head_dims(caps)
+    dim = head_dims[0]
+    heads, kv_heads = (8, 2) if caps.gqa else (4, 4)
+    mask = caps.causal
+    hw = HeadwiseConfig(frozenset({0, 3}), sink_token_num=2, swa_token_num=4, seqlen_threshold=8)
+    masks = [m for m, ok in ((True, caps.causal), (False, caps.bidirectional)) if ok]
+
+    def spec(dtype: torch.dtype, **kw: object) -> AttentionSpec:
+        fields: dict[str, object] = {
+            "num_heads": heads, "num_kv_heads": kv_heads, "head_dim": dim, "dtype": dtype,
+            "causal": mask, "headwise": hw if caps.headwise else None,
+        }
+        fields.update(kw)
+        return AttentionSpec(**fields)  # type: ignore[arg-type]
+
+    cases: list[ConformanceCase] = []
+    first = dtypes[0]
+    tag = dtype_name(first)
+    rope = RopeSpec(theta=10000.0)
+    for causal in masks:
+        name = "causal" if causal else "bidir"
+        cases.append(ConformanceCase(f"{tag}-{name}-norope", spec(first, causal=causal)))
+        cases.append(ConformanceCase(f"{tag}-{name}-rope", spec(first, causal=causal, rope=rope)))
+        if caps.gqa:
+            cases.append(
+                ConformanceCase(f"{tag}-{name}-mha", spec(first, causal=causal, num_kv_heads=heads))
+            )
+    base = spec(first, rope=RopeSpec(theta=1e6))
+    cases += [
+        ConformanceCase(f"{tag}-rope-interleaved",
+                        replace(base, rope=RopeSpec(theta=10000.0, interleaved=True))),
+        ConformanceCase(f"{tag}-rope-partial", replace(base, rope=RopeSpec(10000.0, dim // 2))),
+        ConformanceCase(f"{tag}-rope-partial-interleaved",
+                        replace(base, rope=RopeSpec(10000.0, dim // 2, interleaved=True))),
+        ConformanceCase(f"{tag}-logn", replace(base, use_logn_attn=True, logn_base=8)),
+        ConformanceCase(f"{tag}-logn-norope", replace(base, rope=None, use_logn_attn=True,
+                                                      logn_base=4)),
+        ConformanceCase(f"{tag}-softmax-scale", replace(base, softmax_scale=0.3)),
+        ConformanceCase(f"{tag}-padding-rows", base, padding_rows=7),
+        ConformanceCase(f"{tag}-strided", base, form="strided"),
+        ConformanceCase(f"{tag}-strided-padding", base, padding_rows=3, form="strided"),
+        ConformanceCase(f"{tag}-tuple-none", base, form="tuple-none"),
+        ConformanceCase(f"{tag}-tuple-empty", base, form="tuple-empty"),
+        ConformanceCase(f"{tag}-single-token", base, lengths=(1,)),
+        ConformanceCase(f"{tag}-zero-length-seq", base, lengths=(3, 0, 4)),
+        ConformanceCase(f"{tag}-equal-lengths", base, lengths=(16,) * 6),
+        ConformanceCase(f"{tag}-long", base, lengths=(300, 45)),
+    ]
+    for other in head_dims[1:]:
+        cases.append(ConformanceCase(f"{tag}-d{other}-rope", replace(base, head_dim=other),
+                                     padding_rows=2, form="strided"))
+    for dtype in dtypes[1:]:
+        t = dtype_name(dtype)
+        for causal in masks:
+            name = "causal" if causal else "bidir"
+            cases.append(ConformanceCase(f"{t}-{name}-rope-strided",
+                                         replace(base, dtype=dtype, causal=causal),
+                                         padding_rows=2, form="strided"))
+    if caps.headwise:
+        cases.append(ConformanceCase(f"{tag}-headwise-mixed-lengths", base, lengths=(5, 17, 7, 33)))
+    return cases
+
+
+def refusal_cases(caps: Capabilities, platform: Platform) -> list[RefusalCase]:
+    """Requests the backend did not declare; each must be refused with the given code."""
+    dtypes = _float_dtypes(caps)
+    dtype = dtypes[0] if dtypes else next(iter(sorted(caps.dtypes, key=str)))
+    dim = _pick_head_dims(caps)[0]
+    hw = HeadwiseConfig(frozenset({0}), sink_token_num=2, swa_token_num=4, seqlen_threshold=8)
+    base = AttentionSpec(
+        num_heads=4, num_kv_heads=4, head_dim=dim, dtype=dtype,
+        causal=caps.causal, headwise=hw if caps.headwise else None,
+    )
+    cases: list[RefusalCase] = []
+    for other in (*_FLOAT_ORDER, torch.float8_e4m3fn):
+        if other not in caps.dtypes:
+            code = ReasonCode.FP8 if other in FP8_DTYPES else ReasonCode.DTYPE
+            cases.append(RefusalCase(f"dtype-{dtype_name(other)}", replace(base, dtype=other),
+                                     None, code))
+    if caps.head_dims is not None:
+        odd = next(d for d in (40, 72, 80, 96, 160, 192, 256, 512, 24) if d not in caps.head_dims)
+        cases.append(RefusalCase(f"head-dim-{odd}", replace(base, head_dim=odd), None,
+                                 ReasonCode.HEAD_DIM))
+    if not caps.gqa:
+        cases.append(RefusalCase("gqa", replace(base, num_heads=8, num_kv_heads=2), None,
+                                 ReasonCode.GQA))
+    if not caps.causal:
+        cases.append(RefusalCase("causal", replace(base, causal=True), None, ReasonCode.CAUSAL))
+    if not caps.bidirectional:
+        cases.append(RefusalCase("bidirectional", replace(base, causal=False, headwise=None),
+                                 None, ReasonCode.BIDIRECTIONAL))
+    if not caps.mla:
+        cases.append(RefusalCase("mla", replace(base, use_mla=True), None, ReasonCode.MLA))
+    if caps.headwise:
+        cases.append(RefusalCase("headwise-missing-config", replace(base, headwise=None), None,
+                                 ReasonCode.HEADWISE))
+    elif base.causal:
+        cases.append(RefusalCase("headwise", replace(base, headwise=hw), None, ReasonCode.HEADWISE))
+    samples: dict[PlatformKind, str] = {"cpu": "cpu", "cuda": "cuda:sm90", "rocm": "rocm:gfx942"}
+    for kind, text in samples.items():
+        if kind not in caps.platforms:
+            cases.append(RefusalCase(f"platform-{kind}", base, parse_platform(text),
+                                     ReasonCode.PLATFORM))
+    if caps.requires:
+        bare = replace(platform, libraries=tuple((lib, None) for lib in caps.requires),
+                       assumed=False)
+        cases.append(RefusalCase("library-missing", base, bare, ReasonCode.LIBRARY_MISSING))
+    return cases
