@@ -7,7 +7,7 @@ selector that explains itself, and backends that arrive as pluggy plugins.
 from __future__ import annotations
 
 from ._backend import PrefillBackend
-from ._capabilities import Capabilities, PriorityRule, check_capabilities
+from ._capabilities import Capabilities, PriorityRule, check_capabilities, check_platform
 from ._contract import Fp8Scales, InputLayout, PrefillPlan, QKVInput, QKVViews, split_views
 from ._errors import (
     AttentionBackendError,
@@ -68,6 +68,7 @@ __all__ = [
     "SpecError",
     "UnboundBackendError",
     "check_capabilities",
+    "check_platform",
     "clear_selection_cache",
     "derive_need_rope_kv_cache",
     "detect_platform",

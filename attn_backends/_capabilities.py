@@ -1,4 +1,4 @@
-"""Backend capabilities as data, and the one generic check every backend's `supports` starts with."""
+"""Backend capabilities as data, and the generic check every backend's `supports` starts with."""
 
 from __future__ import annotations
 
@@ -13,7 +13,9 @@ from ._spec import AttentionSpec
 
 
 def _names(values: frozenset[int] | frozenset[str] | frozenset[torch.dtype]) -> str:
-    return ", ".join(sorted(dtype_name(v) if isinstance(v, torch.dtype) else str(v) for v in values))
+    return ", ".join(
+        sorted(dtype_name(v) if isinstance(v, torch.dtype) else str(v) for v in values)
+    )
 
 
 @dataclass(frozen=True)
@@ -51,7 +53,7 @@ class PriorityRule:
         return self.head_dims is None or spec.head_dim in self.head_dims
 
     def describe(self) -> str:
-        parts = [self.platform]
+        parts: list[str] = [self.platform]
         if self.min_sm is not None or self.max_sm is not None:
             parts.append(f"sm{self.min_sm or ''}..{self.max_sm or ''}")
         if self.rocm_archs is not None:
@@ -122,71 +124,133 @@ class Capabilities:
         }
 
 
-def check_capabilities(
-    caps: Capabilities, spec: AttentionSpec, platform: Platform
-) -> list[Reason]:
-    """Every reason the declared capabilities rule the request out; empty when they fit."""
+def check_platform(caps: Capabilities, platform: Platform) -> list[Reason]:
+    """Reasons the backend cannot run on this machine at all, whatever the request."""
     reasons: list[Reason] = []
     if platform.kind not in caps.platforms:
         reasons.append(
-            Reason(ReasonCode.PLATFORM, f"does not run on {platform.kind}", "platform",
-                   platform.kind, _names(frozenset(caps.platforms)))
+            Reason(
+                ReasonCode.PLATFORM,
+                f"does not run on {platform.kind}",
+                "platform",
+                platform.kind,
+                _names(frozenset(caps.platforms)),
+            )
         )
     elif platform.kind == "cuda":
         sm = platform.sm
         low = caps.min_sm if caps.min_sm is not None else 0
         high = caps.max_sm if caps.max_sm is not None else 10**6
         if sm is None or not low <= sm <= high:
-            allowed = f"sm{caps.min_sm or ''}..sm{caps.max_sm or ''}"
+            if caps.max_sm is None:
+                allowed = f"sm{low} or newer"
+            elif caps.min_sm is None:
+                allowed = f"up to sm{high}"
+            else:
+                allowed = f"sm{low}..sm{high}"
             reasons.append(
-                Reason(ReasonCode.ARCH, "CUDA architecture not served", "arch",
-                       str(platform.arch), allowed)
+                Reason(
+                    ReasonCode.ARCH,
+                    "CUDA architecture not served",
+                    "arch",
+                    str(platform.arch),
+                    allowed,
+                )
             )
-    elif platform.kind == "rocm" and caps.rocm_archs is not None:
-        if platform.arch not in caps.rocm_archs:
-            reasons.append(
-                Reason(ReasonCode.ARCH, "ROCm architecture not served", "arch",
-                       str(platform.arch), _names(caps.rocm_archs))
+    elif (
+        platform.kind == "rocm"
+        and caps.rocm_archs is not None
+        and platform.arch not in caps.rocm_archs
+    ):
+        reasons.append(
+            Reason(
+                ReasonCode.ARCH,
+                "ROCm architecture not served",
+                "arch",
+                str(platform.arch),
+                _names(caps.rocm_archs),
             )
+        )
     missing = [lib for lib in caps.requires if not platform.has_library(lib)]
     if missing:
         reasons.append(
-            Reason(ReasonCode.LIBRARY_MISSING, f"needs {', '.join(missing)}, not installed",
-                   "libraries", "absent", ", ".join(missing))
+            Reason(
+                ReasonCode.LIBRARY_MISSING,
+                f"needs {', '.join(missing)}, not installed",
+                "libraries",
+                "absent",
+                ", ".join(missing),
+            )
         )
+    return reasons
+
+
+def check_capabilities(caps: Capabilities, spec: AttentionSpec, platform: Platform) -> list[Reason]:
+    """Every reason the declared capabilities rule the request out; empty when they fit."""
+    reasons = check_platform(caps, platform)
     if spec.dtype not in caps.dtypes:
         code = ReasonCode.FP8 if spec.is_fp8 else ReasonCode.DTYPE
         reasons.append(
-            Reason(code, "input dtype not served", "dtype", dtype_name(spec.dtype),
-                   _names(caps.dtypes))
+            Reason(
+                code, "input dtype not served", "dtype", dtype_name(spec.dtype), _names(caps.dtypes)
+            )
         )
     if caps.head_dims is not None and spec.head_dim not in caps.head_dims:
         reasons.append(
-            Reason(ReasonCode.HEAD_DIM, "head dim not served", "head_dim", str(spec.head_dim),
-                   _names(caps.head_dims))
+            Reason(
+                ReasonCode.HEAD_DIM,
+                "head dim not served",
+                "head_dim",
+                str(spec.head_dim),
+                _names(caps.head_dims),
+            )
         )
     if spec.is_gqa and not caps.gqa:
         reasons.append(
-            Reason(ReasonCode.GQA, "grouped-query attention not served", "num_kv_heads",
-                   f"{spec.num_heads}/{spec.num_kv_heads}", "num_kv_heads == num_heads")
+            Reason(
+                ReasonCode.GQA,
+                "grouped-query attention not served",
+                "num_kv_heads",
+                f"{spec.num_heads}/{spec.num_kv_heads}",
+                "num_kv_heads == num_heads",
+            )
         )
     if spec.causal and not caps.causal:
-        reasons.append(Reason(ReasonCode.CAUSAL, "causal masking not served", "causal", "True", "False"))
+        reasons.append(
+            Reason(ReasonCode.CAUSAL, "causal masking not served", "causal", "True", "False")
+        )
     if not spec.causal and not caps.bidirectional:
         reasons.append(
-            Reason(ReasonCode.BIDIRECTIONAL, "bidirectional attention not served", "causal",
-                   "False", "True")
+            Reason(
+                ReasonCode.BIDIRECTIONAL,
+                "bidirectional attention not served",
+                "causal",
+                "False",
+                "True",
+            )
         )
     if spec.use_mla and not caps.mla:
-        reasons.append(Reason(ReasonCode.MLA, "MLA attention not served", "use_mla", "True", "False"))
+        reasons.append(
+            Reason(ReasonCode.MLA, "MLA attention not served", "use_mla", "True", "False")
+        )
     if spec.headwise is not None and not caps.headwise:
         reasons.append(
-            Reason(ReasonCode.HEADWISE, "per-head (headwise) masks not implemented", "headwise",
-                   "HeadwiseConfig", "None")
+            Reason(
+                ReasonCode.HEADWISE,
+                "per-head (headwise) masks not implemented",
+                "headwise",
+                "HeadwiseConfig",
+                "None",
+            )
         )
     if spec.headwise is None and caps.headwise:
         reasons.append(
-            Reason(ReasonCode.HEADWISE, "needs a HeadwiseConfig on the spec", "headwise",
-                   "None", "HeadwiseConfig")
+            Reason(
+                ReasonCode.HEADWISE,
+                "needs a HeadwiseConfig on the spec",
+                "headwise",
+                "None",
+                "HeadwiseConfig",
+            )
         )
     return reasons

@@ -38,7 +38,9 @@ def parse_dtype(name: str) -> torch.dtype:
     try:
         return _BY_NAME[name.lower()]
     except KeyError:
-        raise ValueError(f"unknown dtype {name!r}; use one of {', '.join(sorted(_BY_NAME))}") from None
+        raise ValueError(
+            f"unknown dtype {name!r}; use one of {', '.join(sorted(_BY_NAME))}"
+        ) from None
 
 
 def is_fp8(dtype: torch.dtype) -> bool:

@@ -49,3 +49,7 @@ class NoBackendError(AttentionBackendError, RuntimeError):
 
 class BackendFailure(AttentionBackendError, RuntimeError):
     """A backend raised inside `prepare`/`forward`; the original error is the cause."""
+
+
+class RankMismatchError(AttentionBackendError, RuntimeError):
+    """Ranks of one process group selected different backends (or some failed to select)."""

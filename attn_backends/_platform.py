@@ -81,7 +81,9 @@ def _library_version(import_name: str) -> str | None:
         return "unknown"
 
 
-def probe_libraries(names: tuple[str, ...] = tuple(KNOWN_LIBRARIES)) -> tuple[tuple[str, str | None], ...]:
+def probe_libraries(
+    names: tuple[str, ...] = tuple(KNOWN_LIBRARIES),
+) -> tuple[tuple[str, str | None], ...]:
     """Versions of the given optional libraries without importing them."""
     return tuple(sorted((name, _library_version(name)) for name in names))
 
@@ -123,7 +125,9 @@ def parse_platform(text: str) -> Platform:
             raise PlatformError(f"cpu takes no architecture, got {text!r}")
         return Platform(kind="cpu", assumed=True)
     if arch is None:
-        raise PlatformError(f"{kind} needs an architecture, e.g. {kind}:{'sm90' if kind == 'cuda' else 'gfx942'}")
+        raise PlatformError(
+            f"{kind} needs an architecture, e.g. {kind}:{'sm90' if kind == 'cuda' else 'gfx942'}"
+        )
     if kind == "cuda":
         sm = re.fullmatch(r"sm_?(\d{2,3})(a?)", arch)
         if sm is None:

@@ -143,7 +143,9 @@ class AttentionSpec:
             and math.isfinite(self.softmax_scale)
             and self.softmax_scale > 0
         ):
-            raise SpecError(f"softmax_scale must be a positive finite float, got {self.softmax_scale!r}")
+            raise SpecError(
+                f"softmax_scale must be a positive finite float, got {self.softmax_scale!r}"
+            )
         if self.headwise is not None:
             if not isinstance(self.headwise, HeadwiseConfig):
                 raise SpecError("AttentionSpec.headwise must be a HeadwiseConfig or None")

@@ -72,8 +72,12 @@ def conformance_cases(caps: Capabilities) -> list[ConformanceCase]:
 
     def spec(dtype: torch.dtype, **kw: object) -> AttentionSpec:
         fields: dict[str, object] = {
-            "num_heads": heads, "num_kv_heads": kv_heads, "head_dim": dim, "dtype": dtype,
-            "causal": mask, "headwise": hw if caps.headwise else None,
+            "num_heads": heads,
+            "num_kv_heads": kv_heads,
+            "head_dim": dim,
+            "dtype": dtype,
+            "causal": mask,
+            "headwise": hw if caps.headwise else None,
         }
         fields.update(kw)
         return AttentionSpec(**fields)  # type: ignore[arg-type]
@@ -92,14 +96,18 @@ def conformance_cases(caps: Capabilities) -> list[ConformanceCase]:
             )
     base = spec(first, rope=RopeSpec(theta=1e6))
     cases += [
-        ConformanceCase(f"{tag}-rope-interleaved",
-                        replace(base, rope=RopeSpec(theta=10000.0, interleaved=True))),
+        ConformanceCase(
+            f"{tag}-rope-interleaved", replace(base, rope=RopeSpec(theta=10000.0, interleaved=True))
+        ),
         ConformanceCase(f"{tag}-rope-partial", replace(base, rope=RopeSpec(10000.0, dim // 2))),
-        ConformanceCase(f"{tag}-rope-partial-interleaved",
-                        replace(base, rope=RopeSpec(10000.0, dim // 2, interleaved=True))),
+        ConformanceCase(
+            f"{tag}-rope-partial-interleaved",
+            replace(base, rope=RopeSpec(10000.0, dim // 2, interleaved=True)),
+        ),
         ConformanceCase(f"{tag}-logn", replace(base, use_logn_attn=True, logn_base=8)),
-        ConformanceCase(f"{tag}-logn-norope", replace(base, rope=None, use_logn_attn=True,
-                                                      logn_base=4)),
+        ConformanceCase(
+            f"{tag}-logn-norope", replace(base, rope=None, use_logn_attn=True, logn_base=4)
+        ),
         ConformanceCase(f"{tag}-softmax-scale", replace(base, softmax_scale=0.3)),
         ConformanceCase(f"{tag}-padding-rows", base, padding_rows=7),
         ConformanceCase(f"{tag}-strided", base, form="strided"),
@@ -112,15 +120,26 @@ def conformance_cases(caps: Capabilities) -> list[ConformanceCase]:
         ConformanceCase(f"{tag}-long", base, lengths=(300, 45)),
     ]
     for other in head_dims[1:]:
-        cases.append(ConformanceCase(f"{tag}-d{other}-rope", replace(base, head_dim=other),
-                                     padding_rows=2, form="strided"))
+        cases.append(
+            ConformanceCase(
+                f"{tag}-d{other}-rope",
+                replace(base, head_dim=other),
+                padding_rows=2,
+                form="strided",
+            )
+        )
     for dtype in dtypes[1:]:
         t = dtype_name(dtype)
         for causal in masks:
             name = "causal" if causal else "bidir"
-            cases.append(ConformanceCase(f"{t}-{name}-rope-strided",
-                                         replace(base, dtype=dtype, causal=causal),
-                                         padding_rows=2, form="strided"))
+            cases.append(
+                ConformanceCase(
+                    f"{t}-{name}-rope-strided",
+                    replace(base, dtype=dtype, causal=causal),
+                    padding_rows=2,
+                    form="strided",
+                )
+            )
     if caps.headwise:
         cases.append(ConformanceCase(f"{tag}-headwise-mixed-lengths", base, lengths=(5, 17, 7, 33)))
     return cases
@@ -133,41 +152,59 @@ def refusal_cases(caps: Capabilities, platform: Platform) -> list[RefusalCase]:
     dim = _pick_head_dims(caps)[0]
     hw = HeadwiseConfig(frozenset({0}), sink_token_num=2, swa_token_num=4, seqlen_threshold=8)
     base = AttentionSpec(
-        num_heads=4, num_kv_heads=4, head_dim=dim, dtype=dtype,
-        causal=caps.causal, headwise=hw if caps.headwise else None,
+        num_heads=4,
+        num_kv_heads=4,
+        head_dim=dim,
+        dtype=dtype,
+        causal=caps.causal,
+        headwise=hw if caps.headwise else None,
     )
     cases: list[RefusalCase] = []
     for other in (*_FLOAT_ORDER, torch.float8_e4m3fn):
         if other not in caps.dtypes:
             code = ReasonCode.FP8 if other in FP8_DTYPES else ReasonCode.DTYPE
-            cases.append(RefusalCase(f"dtype-{dtype_name(other)}", replace(base, dtype=other),
-                                     None, code))
+            cases.append(
+                RefusalCase(f"dtype-{dtype_name(other)}", replace(base, dtype=other), None, code)
+            )
     if caps.head_dims is not None:
         odd = next(d for d in (40, 72, 80, 96, 160, 192, 256, 512, 24) if d not in caps.head_dims)
-        cases.append(RefusalCase(f"head-dim-{odd}", replace(base, head_dim=odd), None,
-                                 ReasonCode.HEAD_DIM))
+        cases.append(
+            RefusalCase(f"head-dim-{odd}", replace(base, head_dim=odd), None, ReasonCode.HEAD_DIM)
+        )
     if not caps.gqa:
-        cases.append(RefusalCase("gqa", replace(base, num_heads=8, num_kv_heads=2), None,
-                                 ReasonCode.GQA))
+        cases.append(
+            RefusalCase("gqa", replace(base, num_heads=8, num_kv_heads=2), None, ReasonCode.GQA)
+        )
     if not caps.causal:
         cases.append(RefusalCase("causal", replace(base, causal=True), None, ReasonCode.CAUSAL))
     if not caps.bidirectional:
-        cases.append(RefusalCase("bidirectional", replace(base, causal=False, headwise=None),
-                                 None, ReasonCode.BIDIRECTIONAL))
+        cases.append(
+            RefusalCase(
+                "bidirectional",
+                replace(base, causal=False, headwise=None),
+                None,
+                ReasonCode.BIDIRECTIONAL,
+            )
+        )
     if not caps.mla:
         cases.append(RefusalCase("mla", replace(base, use_mla=True), None, ReasonCode.MLA))
     if caps.headwise:
-        cases.append(RefusalCase("headwise-missing-config", replace(base, headwise=None), None,
-                                 ReasonCode.HEADWISE))
+        cases.append(
+            RefusalCase(
+                "headwise-missing-config", replace(base, headwise=None), None, ReasonCode.HEADWISE
+            )
+        )
     elif base.causal:
         cases.append(RefusalCase("headwise", replace(base, headwise=hw), None, ReasonCode.HEADWISE))
     samples: dict[PlatformKind, str] = {"cpu": "cpu", "cuda": "cuda:sm90", "rocm": "rocm:gfx942"}
     for kind, text in samples.items():
         if kind not in caps.platforms:
-            cases.append(RefusalCase(f"platform-{kind}", base, parse_platform(text),
-                                     ReasonCode.PLATFORM))
+            cases.append(
+                RefusalCase(f"platform-{kind}", base, parse_platform(text), ReasonCode.PLATFORM)
+            )
     if caps.requires:
-        bare = replace(platform, libraries=tuple((lib, None) for lib in caps.requires),
-                       assumed=False)
+        bare = replace(
+            platform, libraries=tuple((lib, None) for lib in caps.requires), assumed=False
+        )
         cases.append(RefusalCase("library-missing", base, bare, ReasonCode.LIBRARY_MISSING))
     return cases

@@ -78,11 +78,14 @@ def run_case(
     """
     spec = case.spec
     try:
-        sel = select(spec, backend=backend, platform=platform or detect_platform(device),
-                     registry=registry)
+        sel = select(
+            spec, backend=backend, platform=platform or detect_platform(device), registry=registry
+        )
     except NoBackendError as exc:
-        pytest.skip(f"{backend} refuses {case.id}: " + "; ".join(
-            str(r) for _, rs in exc.reasons for r in rs))
+        pytest.skip(
+            f"{backend} refuses {case.id}: "
+            + "; ".join(str(r) for _, rs in exc.reasons for r in rs)
+        )
     params = FMHAParams.from_lengths(
         case.lengths, device=device, padded_rows=sum(case.lengths) + case.padding_rows
     )
@@ -110,8 +113,9 @@ def _check_untouched(spec: AttentionSpec, data: PreparedInput, tokens: int) -> N
     extra = (width - spec.qkv_width) // 2
     if extra:
         outside = torch.cat((data.backing[:, :extra], data.backing[:, -extra:]), dim=1)
-        before = torch.cat((data.backing_pristine[:, :extra], data.backing_pristine[:, -extra:]),
-                           dim=1)
+        before = torch.cat(
+            (data.backing_pristine[:, :extra], data.backing_pristine[:, -extra:]), dim=1
+        )
         assert torch.equal(outside, before), "columns outside the QKV slice were written"
 
 
@@ -150,7 +154,9 @@ class NoCachePrefillConformance:
             entry = registry.get(name)
             if entry is None:
                 known = ", ".join(e.backend.name for e in registry.entries())
-                raise pytest.UsageError(f"--attn-backend {name!r} is not registered; known: {known}")
+                raise pytest.UsageError(
+                    f"--attn-backend {name!r} is not registered; known: {known}"
+                )
             caps = entry.backend.capabilities
             if metafunc.function.__name__ == "test_numeric":
                 for case in conformance_cases(caps):
@@ -166,9 +172,7 @@ class NoCachePrefillConformance:
         if "conformance_case" in metafunc.fixturenames:
             metafunc.parametrize("conformance_case", params, ids=ids)
 
-    def test_numeric(
-        self, conformance_case: tuple[str, ConformanceCase, str, Platform]
-    ) -> None:
+    def test_numeric(self, conformance_case: tuple[str, ConformanceCase, str, Platform]) -> None:
         name, case, device, platform = conformance_case
         run_case(name, case, device, platform=platform)
 
@@ -183,8 +187,9 @@ class NoCachePrefillConformance:
 
     def test_refuses_kv_cache(self, conformance_case: tuple[str, object]) -> None:
         name, _ = conformance_case
-        spec = AttentionSpec(num_heads=4, num_kv_heads=4, head_dim=64, dtype=torch.float16,
-                             causal=True)
+        spec = AttentionSpec(
+            num_heads=4, num_kv_heads=4, head_dim=64, dtype=torch.float16, causal=True
+        )
         with pytest.raises(NoBackendError, match="no-KV-cache prefill only") as info:
             select(spec, backend=name, has_kv_cache=True, platform=parse_platform("cpu"))
         codes = {r.code.value for _, rs in info.value.reasons for r in rs}

@@ -8,6 +8,7 @@ batch of equal-length sequences (BERT-style) is a single SDPA call and no gather
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import cast
 
 import torch
 import torch.nn.functional as F
@@ -68,21 +69,21 @@ class TorchSdpaBackend(PrefillBackend):
 
     def attend(self, views: QKVViews, plan: PrefillPlan) -> torch.Tensor:
         spec = plan.spec
-        runs: tuple[_Run, ...] = plan.kernel  # type: ignore[assignment]
+        runs = cast(tuple[_Run, ...], plan.kernel)
         q, k, v = views.q, views.k, views.v
         out = torch.empty(q.shape, dtype=spec.output_dtype, device=q.device)
         for run in runs:
             rows = slice(run.start, run.start + run.count * run.length)
-            shape = (run.count, run.length)
+            n, length = run.count, run.length
             result = F.scaled_dot_product_attention(
-                q[rows].unflatten(0, shape).transpose(1, 2),
-                k[rows].unflatten(0, shape).transpose(1, 2),
-                v[rows].unflatten(0, shape).transpose(1, 2),
+                q[rows].view(n, length, *q.shape[1:]).transpose(1, 2),
+                k[rows].view(n, length, *k.shape[1:]).transpose(1, 2),
+                v[rows].view(n, length, *v.shape[1:]).transpose(1, 2),
                 is_causal=spec.causal,
                 scale=spec.scale,
                 enable_gqa=spec.is_gqa,
             )
-            out[rows].unflatten(0, shape).copy_(result.transpose(1, 2))
+            out[rows].view(n, length, *out.shape[1:]).copy_(result.transpose(1, 2))
         return out
 
 

@@ -1,0 +1,196 @@
+"""Selection: priorities as data, explicit and environment choices honoured or refused with
+reasons, every candidate on record, caching, dry runs."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+import attn_backends as ab
+
+SPEC = ab.AttentionSpec(8, 2, 64, torch.bfloat16, causal=True, rope=ab.RopeSpec(1e6))
+
+
+def make_backend(name, *, platforms=("cpu",), dtypes=(torch.bfloat16,), priority=(), **caps):
+    class _Backend(ab.PrefillBackend):
+        capabilities = ab.Capabilities(
+            platforms=frozenset(platforms),
+            dtypes=frozenset(dtypes),
+            priority=tuple(priority),
+            **caps,
+        )
+
+        def plan_kernel(self, spec, params, *, fused_rope):
+            return None
+
+        def attend(self, views, plan):
+            return torch.zeros(views.q.shape, dtype=plan.spec.output_dtype)
+
+    _Backend.name = name
+    return _Backend()
+
+
+class Plugin:
+    def __init__(self, *backends):
+        self.backends = backends
+
+    @ab.hookimpl
+    def attn_backends_register(self, host_api_version):
+        return ab.PluginManifest(api_version="1.0", backends=list(self.backends))
+
+
+@pytest.fixture
+def registry():
+    reg = ab.Registry()
+    reg.register_plugin(
+        Plugin(
+            make_backend(
+                "fast",
+                priority=[ab.PriorityRule("cpu", 50, gqa=True, note="measured")],
+                head_dims=frozenset({64}),
+            ),
+            make_backend("slow", priority=[ab.PriorityRule("cpu", 10)]),
+            make_backend(
+                "gpu-only",
+                platforms=("cuda",),
+                priority=[ab.PriorityRule("cuda", 90, min_sm=90)],
+                min_sm=80,
+                requires=("flashinfer",),
+            ),
+            make_backend("unranked"),
+        ),
+        name="test-plugin",
+    )
+    return reg
+
+
+def test_priority_picks_highest_fitting(registry):
+    sel = ab.select(SPEC, platform=ab.detect_platform("cpu"), registry=registry)
+    assert sel.name == "fast" and sel.source == "priority"
+    verdicts = {c.name: c.verdict for c in sel.candidates}
+    assert verdicts == {
+        "fast": "selected",
+        "slow": "eligible",
+        "unranked": "not ranked",
+        "gpu-only": "rejected",
+    }
+    gpu = next(c for c in sel.candidates if c.name == "gpu-only")
+    assert {r.code for r in gpu.reasons} == {ab.ReasonCode.PLATFORM, ab.ReasonCode.LIBRARY_MISSING}
+    text = sel.explain()
+    assert "selected: fast (by priority)" in text
+    assert "priority 50 [cpu GQA (measured)]" in text
+    assert "does not run on cpu" in text
+
+
+def test_rule_conditions_change_the_winner(registry):
+    mha = ab.AttentionSpec(8, 8, 64, torch.bfloat16, causal=True)
+    assert ab.select(mha, platform="cpu", registry=registry).name == "slow"
+    d128 = ab.AttentionSpec(8, 2, 128, torch.bfloat16, causal=True)
+    sel = ab.select(d128, platform="cpu", registry=registry)
+    assert sel.name == "slow"
+    fast = next(c for c in sel.candidates if c.name == "fast")
+    assert [r.code for r in fast.reasons] == [ab.ReasonCode.HEAD_DIM]
+    assert fast.reasons[0].got == "128" and fast.reasons[0].allowed == "64"
+
+
+def test_dry_run_platform_assumes_libraries(registry):
+    sel = ab.select(SPEC, platform="cuda:sm90", registry=registry)
+    assert sel.name == "gpu-only" and sel.platform.assumed
+    assert "dry run" in sel.explain()
+    with pytest.raises(
+        ab.NoBackendError, match=r"gpu-only: \[arch\] .* \(got sm75; allowed sm80 or newer\)"
+    ):
+        ab.select(SPEC, platform="cuda:sm75", registry=registry)
+
+
+def test_explicit_choice_is_honoured_or_refused_never_swapped(registry):
+    sel = ab.select(SPEC, platform="cpu", registry=registry, backend="unranked")
+    assert sel.name == "unranked" and sel.source == "explicit"
+    with pytest.raises(ab.NoBackendError, match="not swapped") as info:
+        ab.select(SPEC, platform="cpu", registry=registry, backend="gpu-only")
+    assert info.value.reasons[0][0] == "gpu-only"
+    with pytest.raises(ab.NoBackendError, match="known backends: fast, slow, gpu-only, unranked"):
+        ab.select(SPEC, platform="cpu", registry=registry, backend="nope")
+
+
+def test_environment_choice(registry, monkeypatch):
+    monkeypatch.setenv("ATTN_BACKEND", "slow")
+    sel = ab.select(SPEC, platform="cpu", registry=registry)
+    assert sel.name == "slow" and sel.source == "environment"
+    monkeypatch.setenv("ATTN_BACKEND", "gpu-only")
+    with pytest.raises(ab.NoBackendError, match="environment"):
+        ab.select(SPEC, platform="cpu", registry=registry)
+    monkeypatch.setenv("ATTN_BACKEND", "typo")
+    with pytest.raises(ab.NoBackendError, match=r"\$ATTN_BACKEND='typo'"):
+        ab.select(SPEC, platform="cpu", registry=registry)
+    assert ab.select(SPEC, platform="cpu", registry=registry, backend="fast").name == "fast"
+
+
+def test_nothing_fits_lists_every_candidate(registry):
+    fp16 = ab.AttentionSpec(8, 2, 64, torch.float16, causal=True)
+    with pytest.raises(ab.NoBackendError) as info:
+        ab.select(fp16, platform="cpu", registry=registry)
+    message = str(info.value)
+    for name in ("fast", "slow", "gpu-only", "unranked"):
+        assert f"  - {name}: " in message
+    assert len(info.value.reasons) == 4
+
+
+def test_decisions_are_cached_per_key(registry):
+    a = ab.select(SPEC, platform="cpu", registry=registry)
+    assert ab.select(SPEC, platform="cpu", registry=registry) is a
+    assert ab.select(SPEC, platform="cpu", registry=registry, backend="slow") is not a
+    registry.register_plugin(Plugin(make_backend("late")), name="late-plugin")
+    b = ab.select(SPEC, platform="cpu", registry=registry)
+    assert b is not a and b.name == a.name
+
+
+def test_record_is_json_and_complete(registry):
+    sel = ab.select(SPEC, platform="cpu", registry=registry)
+    record = json.loads(json.dumps(sel.to_dict()))
+    assert record["selected"] == "fast"
+    assert record["spec"]["rope"] == {"theta": 1e6, "rotary_dim": 64, "interleaved": False}
+    assert record["platform"]["kind"] == "cpu"
+    assert {c["name"] for c in record["candidates"]} == {"fast", "slow", "gpu-only", "unranked"}
+    assert record["details"]["preprocess"] in {"torch", "native", "flashinfer"}
+    assert record["plugins"][0]["status"] == "loaded"
+
+
+def test_bound_backend_is_a_no_cache_prefill(registry):
+    sel = ab.select(SPEC, platform="cpu", registry=registry)
+    assert isinstance(sel.backend, ab.NoCachePrefill)
+    assert sel.backend.spec is SPEC
+
+
+def test_default_registry_has_the_reference_backend():
+    sel = ab.select(SPEC, device="cpu")
+    assert sel.name == "torch-sdpa"
+    assert sel.platform.kind == "cpu" and not sel.platform.assumed
+
+
+@pytest.mark.parametrize(
+    ("text", "kind", "arch"),
+    [
+        ("cpu", "cpu", None),
+        ("cuda:sm90", "cuda", "sm90"),
+        ("CUDA:sm_80", "cuda", "sm80"),
+        ("rocm:gfx942", "rocm", "gfx942"),
+        ("cuda:sm90a", "cuda", "sm90a"),
+    ],
+)
+def test_parse_platform(text, kind, arch):
+    p = ab.parse_platform(text)
+    assert (p.kind, p.arch, p.assumed) == (kind, arch, True)
+
+
+@pytest.mark.parametrize("text", ["gpu", "cuda", "cuda:90", "rocm:mi300", "cpu:x86", ""])
+def test_parse_platform_rejects(text):
+    with pytest.raises(ab.PlatformError, match=r"use|needs|must|takes"):
+        ab.parse_platform(text)
+
+
+def test_select_rejects_non_spec():
+    with pytest.raises(ab.SpecError, match="takes an AttentionSpec"):
+        ab.select({"num_heads": 8})  # type: ignore[arg-type]
