@@ -21,6 +21,7 @@ from ._presets import PRESETS
 from ._reference import TOLERANCE, reference_attention, relative_error
 from ._registry import get_registry
 from ._selector import Selection, select
+from .bench import cli as bench_cli
 from ._spec import AttentionSpec, RopeSpec
 
 
@@ -247,6 +248,9 @@ def build_parser() -> argparse.ArgumentParser:
     _add_spec_args(p_check)
     p_check.add_argument("--seed", type=int, default=0, help="input seed (default 0)")
     p_check.set_defaults(func=cmd_check)
+    p_bench = sub.add_parser("bench", help="benchmark the no-cache prefill paths on a CUDA GPU")
+    bench_cli.add_arguments(p_bench)
+    p_bench.set_defaults(func=bench_cli.run)
     return parser
 
 

@@ -108,7 +108,7 @@ def test_check_refuses_dry_run(capsys):
         main(["check", "--preset", "short", "--platform", "cuda:sm90"])
 
 
-@pytest.mark.parametrize("command", [[], ["list"], ["explain"], ["check"]])
+@pytest.mark.parametrize("command", [[], ["list"], ["explain"], ["check"], ["bench"]])
 def test_help(command):
     result = subprocess.run(
         [sys.executable, "-m", "attn_backends.cli", *command, "--help"],

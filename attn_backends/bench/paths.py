@@ -1,0 +1,357 @@
+"""Every way the benchmark computes a workload's attention, each built once per batch.
+
+A builder does the per-batch host work (selection, ``prepare``, index tensors, masks, RoPE
+tables) and returns a `PreparedPath` whose ``run(qkv)`` is the per-layer step that gets timed.
+``run`` takes the packed ``[tokens, (Hq + 2*Hkv) * D]`` buffer an engine's QKV projection
+produces and returns ``[tokens, Hq * D]``. Every path computes the same function, RoPE
+included when the spec has it, so every path is checked against the same float64 reference.
+
+The public-API paths rotate the caller's buffer in place (that is the contract). The timed calls
+therefore rotate their input again on each call: the values change, the work does not. The other
+paths leave their input untouched.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import torch
+import torch.nn.functional as F
+
+from attn_backends import AttentionSpec, FMHAParams, NoBackendError, select, split_views
+
+from .timing import synchronize, time_host
+
+Run = Callable[[torch.Tensor], torch.Tensor]
+RaggedKernel = Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
+"""``(q [T, Hq, D], k [T, Hkv, D], v [T, Hkv, D]) -> [T, Hq, D]`` over the batch's sequences."""
+
+FLASHINFER_WORKSPACE_BYTES = 128 << 20
+CACHE_BLOCK = 64
+
+
+@dataclass(frozen=True)
+class PreparedPath:
+    run: Run
+    backend: str | None = None
+    details: dict[str, str] = field(default_factory=dict)
+    prepare_ms: float | None = None
+    select_ms: float | None = None
+
+
+@dataclass(frozen=True)
+class Skip:
+    """The path cannot run here (library missing, backend refuses the spec); not an error."""
+
+    reason: str
+
+
+# --- RoPE the way an engine without the contract does it: torch ops on Q/K copies ----------
+
+
+@dataclass(frozen=True, eq=False)
+class RopeTables:
+    """cos/sin of every token's angles, float32 ``[tokens, 1, rotary_dim / 2]``."""
+
+    cos: torch.Tensor
+    sin: torch.Tensor
+    rotary_dim: int
+    interleaved: bool
+
+
+def rope_tables(spec: AttentionSpec, params: FMHAParams) -> RopeTables | None:
+    """Per-batch RoPE tables from the positions (restarting at 0 in each sequence)."""
+    if spec.rope is None:
+        return None
+    r = spec.rotary_dim
+    pos = params.positions.to(torch.float64)
+    exponent = torch.arange(r // 2, dtype=torch.float64, device=pos.device) * 2.0 / r
+    angles = pos[:, None] * (spec.rope.theta ** (-exponent))[None, :]
+    return RopeTables(
+        cos=angles.cos().to(torch.float32)[:, None, :],
+        sin=angles.sin().to(torch.float32)[:, None, :],
+        rotary_dim=r,
+        interleaved=spec.rope.interleaved,
+    )
+
+
+def _rotated_head(x: torch.Tensor, t: RopeTables) -> torch.Tensor:
+    """The rotated leading ``rotary_dim`` dims of ``x [T, H, D]``, float32 math, x's dtype."""
+    head = x[..., : t.rotary_dim].to(torch.float32)
+    if t.interleaved:
+        a, b = head[..., 0::2], head[..., 1::2]
+        rot = torch.stack((a * t.cos - b * t.sin, b * t.cos + a * t.sin), dim=-1).flatten(-2)
+    else:
+        a, b = head.chunk(2, dim=-1)
+        rot = torch.cat((a * t.cos - b * t.sin, b * t.cos + a * t.sin), dim=-1)
+    return rot.to(x.dtype)
+
+
+def rotated(x: torch.Tensor, t: RopeTables) -> torch.Tensor:
+    """A new, rotated copy of ``x [T, H, D]`` (Hugging Face style, out of place)."""
+    head = _rotated_head(x, t)
+    if t.rotary_dim == x.shape[-1]:
+        return head
+    return torch.cat((head, x[..., t.rotary_dim :]), dim=-1)
+
+
+def rotate_(x: torch.Tensor, t: RopeTables) -> None:
+    """Rotate ``x [T, H, D]`` in place."""
+    x[..., : t.rotary_dim].copy_(_rotated_head(x, t))
+
+
+# --- (a), (b), (c): the public API ---------------------------------------------------------
+
+
+def build_public(
+    spec: AttentionSpec,
+    params: FMHAParams,
+    *,
+    backend: str | None,
+    prepare_iters: int = 10,
+) -> PreparedPath | Skip:
+    """``select`` (auto when ``backend`` is None) + ``prepare``; ``run`` is ``forward``.
+
+    An explicitly named backend that refuses the spec is a `Skip` carrying its reasons; the
+    automatic choice failing is an error.
+    """
+    t0 = time.perf_counter()
+    try:
+        # strict=False: a start-up canary is the engine's choice, not part of what is timed.
+        selection = select(spec, device=params.device, backend=backend, strict=False)
+    except NoBackendError as exc:
+        if backend is None:
+            raise
+        reasons = [str(r) for name, rs in exc.reasons if name == backend for r in rs]
+        return Skip("; ".join(reasons) if reasons else str(exc))
+    select_ms = (time.perf_counter() - t0) * 1e3
+    impl = selection.backend
+    details = dict(selection.details)
+    details["selected_by"] = selection.source
+    impl.prepare(params)  # the first plan may load or build kernels: not what is timed
+    synchronize(params.device)
+    prepare_ms = time_host(lambda: impl.prepare(params), iters=prepare_iters, device=params.device)
+    plan = impl.prepare(params)
+
+    def run(qkv: torch.Tensor) -> torch.Tensor:
+        return impl.forward(qkv, plan)
+
+    return PreparedPath(run, selection.name, details, prepare_ms, select_ms)
+
+
+# --- (d): the legacy path: copy-split, RoPE on the copies, paged cache write, kernel -------
+
+
+@dataclass(frozen=True, eq=False)
+class PagedCache:
+    """A paged KV cache ``[num_blocks, 2, block, Hkv, D]`` and where each token's K/V go."""
+
+    tensor: torch.Tensor
+    k_slots: torch.Tensor
+    """int64 ``[tokens]`` row of each token's K in ``rows()``; its V is ``block`` rows later."""
+    v_slots: torch.Tensor
+    block: int
+
+    def rows(self) -> torch.Tensor:
+        """The cache as ``[num_blocks * 2 * block, Hkv, D]`` rows (a view)."""
+        return self.tensor.flatten(0, 2)
+
+    def write(self, k: torch.Tensor, v: torch.Tensor) -> None:
+        rows = self.rows()
+        rows.index_copy_(0, self.k_slots, k)
+        rows.index_copy_(0, self.v_slots, v)
+
+
+def paged_cache(spec: AttentionSpec, params: FMHAParams, block: int = CACHE_BLOCK) -> PagedCache:
+    """Blocks handed out in order, ``ceil(L / block)`` per sequence."""
+    k_slots: list[torch.Tensor] = []
+    first = 0
+    for length in params.input_lengths:
+        pos = torch.arange(length, dtype=torch.int64)
+        blocks = first + pos // block
+        k_slots.append(blocks * (2 * block) + pos % block)
+        first += -(-length // block)
+    tensor = torch.empty(
+        max(1, first),
+        2,
+        block,
+        spec.num_kv_heads,
+        spec.head_dim,
+        dtype=spec.dtype,
+        device=params.device,
+    )
+    k = torch.cat(k_slots).to(params.device)
+    return PagedCache(tensor, k, k + block, block)
+
+
+FA3_HEAD_DIMS = frozenset({64, 128, 256})
+
+
+def flashinfer_kernel_name(spec: AttentionSpec, device: torch.device) -> str:
+    """fa3 where flashinfer has it (Hopper, 16-bit, head dim 64/128/256), else its own choice.
+
+    Named explicitly so that the legacy path loads the very module the ``flashinfer`` backend
+    loads (and a prebuild compiled), never a second one chosen by ``auto``.
+    """
+    hopper = device.type == "cuda" and torch.cuda.get_device_capability(device) == (9, 0)
+    sixteen_bit = spec.dtype in (torch.float16, torch.bfloat16)
+    return "fa3" if hopper and sixteen_bit and spec.head_dim in FA3_HEAD_DIMS else "auto"
+
+
+def flashinfer_ragged(spec: AttentionSpec, params: FMHAParams) -> RaggedKernel | Skip:
+    """flashinfer's ragged prefill kernel, planned for this batch (the kernel the backend uses)."""
+    try:
+        import flashinfer  # untyped GPU library: its objects are Any
+    except ImportError as exc:
+        return Skip(f"flashinfer is not installed ({exc})")
+
+    workspace = torch.empty(FLASHINFER_WORKSPACE_BYTES, dtype=torch.uint8, device=params.device)
+    wrapper = flashinfer.BatchPrefillWithRaggedKVCacheWrapper(
+        workspace, "NHD", backend=flashinfer_kernel_name(spec, params.device)
+    )
+    indptr = torch.tensor(params.cu_seqlens_host, dtype=torch.int32)  # host: plan reads it there
+    wrapper.plan(
+        indptr,
+        indptr,
+        spec.num_heads,
+        spec.num_kv_heads,
+        spec.head_dim,
+        causal=spec.causal,
+        sm_scale=spec.scale,
+        q_data_type=spec.dtype,
+        kv_data_type=spec.dtype,
+    )
+
+    def kernel(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        out: torch.Tensor = wrapper.run(q, k, v)
+        return out
+
+    return kernel
+
+
+def build_legacy(
+    spec: AttentionSpec,
+    params: FMHAParams,
+    tables: RopeTables | None,
+    kernel: RaggedKernel,
+    cache: PagedCache | None = None,
+    details: dict[str, str] | None = None,
+) -> PreparedPath:
+    """What a chat engine does with an embedding batch when it has no no-cache path.
+
+    Per layer: copy Q, K and V out of the packed rows into new dense ``[T, H, D]`` buffers
+    (the layout the kernel reads; a head-major transpose moves the same bytes), rotate the
+    Q/K copies in place with torch ops, write K/V into a paged cache nobody reads, then run
+    the ragged kernel on the copies.
+    """
+    kv_cache = cache if cache is not None else paged_cache(spec, params)
+    tokens = params.token_q_num
+
+    def run(qkv: torch.Tensor) -> torch.Tensor:
+        q, k, v = split_views(qkv, spec, tokens)
+        q, k, v = q.contiguous(), k.contiguous(), v.contiguous()
+        if tables is not None:
+            rotate_(q, tables)
+            rotate_(k, tables)
+        kv_cache.write(k, v)
+        return kernel(q, k, v).reshape(tokens, spec.q_width)
+
+    return PreparedPath(run, details={**(details or {}), "cache_block": str(kv_cache.block)})
+
+
+def build_legacy_flashinfer(
+    spec: AttentionSpec, params: FMHAParams, tables: RopeTables | None
+) -> PreparedPath | Skip:
+    """The legacy path on flashinfer's ragged kernel; a `Skip` when flashinfer is missing."""
+    kernel = flashinfer_ragged(spec, params)
+    if isinstance(kernel, Skip):
+        return kernel
+    name = flashinfer_kernel_name(spec, params.device)
+    return build_legacy(spec, params, tables, kernel, details={"flashinfer_backend": name})
+
+
+# --- (e): Hugging Face style padded SDPA --------------------------------------------------
+
+
+def _repeat_kv(x: torch.Tensor, group: int) -> torch.Tensor:
+    """``[B, Hkv, L, D] -> [B, Hkv * group, L, D]``, query head h reading KV head h // group."""
+    if group == 1:
+        return x
+    b, h, length, d = x.shape
+    return x[:, :, None].expand(b, h, group, length, d).reshape(b, h * group, length, d)
+
+
+def build_padded_sdpa(
+    spec: AttentionSpec, params: FMHAParams, tables: RopeTables | None
+) -> PreparedPath:
+    """Pad to ``[B, maxlen, H, D]``, SDPA with a ``[B, 1, L, L]`` boolean mask, unpad.
+
+    RoPE is applied out of place on the tokens and GQA by repeating K/V, as Hugging Face
+    models do when they pass an attention mask to SDPA.
+    """
+    lengths = params.input_lengths
+    batch, longest = len(lengths), params.max_seqlen_q
+    tokens, dev = params.token_q_num, params.device
+    index = torch.cat(
+        [torch.arange(n, dtype=torch.int64) + b * longest for b, n in enumerate(lengths)]
+    ).to(dev)
+    pos = torch.arange(longest, device=dev)
+    valid = pos[None, :] < torch.tensor(lengths, device=dev)[:, None]
+    mask = valid[:, None, None, :].expand(batch, 1, longest, longest)
+    if spec.causal:
+        mask = mask & (pos[None, :] <= pos[:, None])
+    mask = mask.contiguous()
+    d = spec.head_dim
+
+    def pad(x: torch.Tensor, heads: int) -> torch.Tensor:
+        padded = x.new_zeros(batch * longest, heads, d)
+        padded.index_copy_(0, index, x)
+        return padded.view(batch, longest, heads, d).transpose(1, 2)
+
+    def run(qkv: torch.Tensor) -> torch.Tensor:
+        q, k, v = split_views(qkv, spec, tokens)
+        if tables is not None:
+            q, k = rotated(q, tables), rotated(k, tables)
+        out = F.scaled_dot_product_attention(
+            pad(q, spec.num_heads),
+            _repeat_kv(pad(k, spec.num_kv_heads), spec.group_size),
+            _repeat_kv(pad(v, spec.num_kv_heads), spec.group_size),
+            attn_mask=mask,
+            scale=spec.scale,
+        )
+        return out.transpose(1, 2).reshape(batch * longest, spec.q_width).index_select(0, index)
+
+    return PreparedPath(run, details={"mask": f"bool [{batch}, 1, {longest}, {longest}]"})
+
+
+# --- (f): torch.nn.attention.varlen.varlen_attn -------------------------------------------
+
+
+def build_varlen(
+    spec: AttentionSpec, params: FMHAParams, tables: RopeTables | None
+) -> PreparedPath | Skip:
+    """torch's varlen flash attention on the views; K/V expanded for GQA, RoPE out of place."""
+    try:
+        from torch.nn.attention.varlen import varlen_attn
+    except ImportError as exc:
+        return Skip(f"torch.nn.attention.varlen.varlen_attn is missing: {exc}")
+    tokens = params.token_q_num
+    cu = params.cu_seqlens_q
+    longest = params.max_seqlen_q
+    window = (-1, 0) if spec.causal else (-1, -1)
+    group = spec.group_size
+
+    def run(qkv: torch.Tensor) -> torch.Tensor:
+        q, k, v = split_views(qkv, spec, tokens)
+        if tables is not None:
+            q, k = rotated(q, tables), rotated(k, tables)
+        if group > 1:
+            k = k.repeat_interleave(group, dim=1)
+            v = v.repeat_interleave(group, dim=1)
+        out = varlen_attn(q, k, v, cu, cu, longest, longest, scale=spec.scale, window_size=window)
+        assert isinstance(out, torch.Tensor)  # a tuple only when return_aux asks for the LSE
+        return out.reshape(tokens, spec.q_width)
+
+    return PreparedPath(run, details={"window_size": str(window)})

@@ -1,0 +1,219 @@
+"""The benchmark workloads, as data, and the work each one represents (FLOPs and bytes).
+
+Each workload is one attention layer of a real embedding model on a typical batch. Variable
+lengths come from a seeded generator, so a run can be repeated exactly.
+"""
+
+from __future__ import annotations
+
+import random
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+
+from attn_backends import AttentionSpec, RopeSpec
+
+API_WITHIN = 1.05
+"""Public API time over the fastest correct backend time, on every workload (issue 3)."""
+
+
+@dataclass(frozen=True)
+class Targets:
+    """What a workload is judged against; ``None`` means no such target on this workload."""
+
+    api_within: float = API_WITHIN
+    """``public API ms / fastest correct backend ms`` must be at most this."""
+    legacy_speedup: float | None = None
+    """``legacy ms / public API ms`` must be at least this."""
+    padded_speedup: float | None = None
+    """``padded SDPA ms / public API ms`` must be at least this."""
+    rope_overhead: float | None = None
+    """``public API ms (RoPE + attention) / attention alone ms`` must be at most this."""
+
+    def to_dict(self) -> dict[str, float | None]:
+        return {
+            "api_within": self.api_within,
+            "legacy_speedup": self.legacy_speedup,
+            "padded_speedup": self.padded_speedup,
+            "rope_overhead": self.rope_overhead,
+        }
+
+
+@dataclass(frozen=True)
+class Workload:
+    """A batch shape and the attention layer it runs through."""
+
+    name: str
+    """Stable id used on the command line and in the JSON."""
+    title: str
+    batch: int
+    min_len: int
+    max_len: int
+    """Lengths are drawn uniformly from ``[min_len, max_len]``; equal bounds mean fixed."""
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    causal: bool
+    rope_theta: float | None
+    """Rotate-half RoPE over the whole head with this base; ``None``: no RoPE."""
+    targets: Targets
+    salt: int = 0
+    """Mixed into the seed so that workloads draw different lengths from one ``--seed``."""
+
+    @property
+    def varlen(self) -> bool:
+        return self.min_len != self.max_len
+
+    def lengths(self, seed: int) -> tuple[int, ...]:
+        """Sequence lengths of the batch; the same for the same seed."""
+        if not self.varlen:
+            return (self.max_len,) * self.batch
+        rng = random.Random(seed * 1_000_003 + self.salt)
+        return tuple(rng.randint(self.min_len, self.max_len) for _ in range(self.batch))
+
+    def spec(self, dtype: torch.dtype = torch.bfloat16) -> AttentionSpec:
+        rope = RopeSpec(theta=self.rope_theta) if self.rope_theta is not None else None
+        return AttentionSpec(
+            num_heads=self.num_heads,
+            num_kv_heads=self.num_kv_heads,
+            head_dim=self.head_dim,
+            dtype=dtype,
+            causal=self.causal,
+            rope=rope,
+        )
+
+    def shape_text(self) -> str:
+        """``32 x 512, 12/12 heads x 64, bidirectional, no RoPE``."""
+        lengths = (
+            f"{self.batch} x {self.max_len}"
+            if not self.varlen
+            else f"{self.batch} seqs of {self.min_len}..{self.max_len}"
+        )
+        rope = f"RoPE theta {self.rope_theta:g}" if self.rope_theta is not None else "no RoPE"
+        mask = "causal" if self.causal else "bidirectional"
+        return (
+            f"{lengths}, {self.num_heads}/{self.num_kv_heads} heads x {self.head_dim}, "
+            f"{mask}, {rope}"
+        )
+
+    def to_dict(self) -> dict[str, object]:
+        return {
+            "name": self.name,
+            "title": self.title,
+            "batch": self.batch,
+            "min_len": self.min_len,
+            "max_len": self.max_len,
+            "num_heads": self.num_heads,
+            "num_kv_heads": self.num_kv_heads,
+            "head_dim": self.head_dim,
+            "causal": self.causal,
+            "rope_theta": self.rope_theta,
+        }
+
+
+QWEN_ROPE_THETA = 1e6
+
+# Ordered so that the workloads the targets speak about run first; the long GTE batch, with
+# the most expensive float64 reference, comes last and is the one a tight budget drops.
+WORKLOADS: tuple[Workload, ...] = (
+    Workload(
+        name="bert-base",
+        title="BERT-base",
+        batch=32,
+        min_len=512,
+        max_len=512,
+        num_heads=12,
+        num_kv_heads=12,
+        head_dim=64,
+        causal=False,
+        rope_theta=None,
+        targets=Targets(legacy_speedup=2.0),
+    ),
+    Workload(
+        name="bge-m3",
+        title="BGE-M3-like",
+        batch=64,
+        min_len=16,
+        max_len=512,
+        num_heads=16,
+        num_kv_heads=16,
+        head_dim=64,
+        causal=False,
+        rope_theta=None,
+        targets=Targets(padded_speedup=8.0),
+        salt=1,
+    ),
+    Workload(
+        name="qwen3-emb-0.6b",
+        title="Qwen3-Embedding-0.6B",
+        batch=32,
+        min_len=64,
+        max_len=2048,
+        num_heads=16,
+        num_kv_heads=8,
+        head_dim=128,
+        causal=True,
+        rope_theta=QWEN_ROPE_THETA,
+        targets=Targets(legacy_speedup=2.0, padded_speedup=8.0, rope_overhead=1.10),
+        salt=2,
+    ),
+    Workload(
+        name="short",
+        title="short",
+        batch=256,
+        min_len=64,
+        max_len=64,
+        num_heads=16,
+        num_kv_heads=8,
+        head_dim=128,
+        causal=True,
+        rope_theta=QWEN_ROPE_THETA,
+        targets=Targets(legacy_speedup=2.0, rope_overhead=1.10),
+        salt=3,
+    ),
+    Workload(
+        name="gte-qwen2-7b",
+        title="GTE-Qwen2-7B-like",
+        batch=4,
+        min_len=8192,
+        max_len=8192,
+        num_heads=28,
+        num_kv_heads=4,
+        head_dim=128,
+        causal=True,
+        rope_theta=QWEN_ROPE_THETA,
+        targets=Targets(),
+        salt=4,
+    ),
+)
+
+
+def workload_names() -> tuple[str, ...]:
+    return tuple(w.name for w in WORKLOADS)
+
+
+def get_workload(name: str) -> Workload:
+    """The workload called ``name``; raises `ValueError` listing the known names."""
+    for workload in WORKLOADS:
+        if workload.name == name:
+            return workload
+    raise ValueError(f"unknown workload {name!r}; known: {', '.join(workload_names())}")
+
+
+def attention_flops(lengths: Sequence[int], num_heads: int, head_dim: int, causal: bool) -> float:
+    """``4 * sum(L^2) * Hq * D`` (QK^T and PV, 2 FLOPs per multiply-add), halved for causal."""
+    full = 4.0 * sum(n * n for n in lengths) * num_heads * head_dim
+    return full / 2.0 if causal else full
+
+
+def attention_bytes(tokens: int, spec: AttentionSpec) -> int:
+    """Bytes an ideal kernel moves: read Q, K, V and write O of the valid tokens."""
+    read = tokens * spec.qkv_width * spec.dtype.itemsize
+    write = tokens * spec.q_width * spec.output_dtype.itemsize
+    return read + write
+
+
+def rope_bytes(tokens: int, spec: AttentionSpec) -> int:
+    """Bytes an in-place RoPE pass moves: read and write the Q and K columns."""
+    return 2 * tokens * (spec.q_width + spec.kv_width) * spec.dtype.itemsize
