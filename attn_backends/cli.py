@@ -21,8 +21,8 @@ from ._presets import PRESETS
 from ._reference import TOLERANCE, reference_attention, relative_error
 from ._registry import get_registry
 from ._selector import Selection, select
-from .bench import cli as bench_cli
 from ._spec import AttentionSpec, RopeSpec
+from .bench import cli as bench_cli
 
 
 def _platform_of(args: argparse.Namespace) -> Platform:
