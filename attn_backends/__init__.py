@@ -7,16 +7,20 @@ selector that explains itself, and backends that arrive as pluggy plugins.
 from __future__ import annotations
 
 from ._backend import PrefillBackend
+from ._canary import CanaryResult, run_canary
 from ._capabilities import Capabilities, PriorityRule, check_capabilities, check_platform
 from ._contract import Fp8Scales, InputLayout, PrefillPlan, QKVInput, QKVViews, split_views
+from ._distributed import RankDecision, check_consistent_across_ranks, select_across_ranks
 from ._errors import (
     AttentionBackendError,
     BackendFailure,
     KVCacheFlagError,
+    NativeBuildError,
     NoBackendError,
     PackedQKVError,
     ParamsError,
     PlatformError,
+    RankMismatchError,
     SpecError,
     UnboundBackendError,
 )
@@ -27,7 +31,7 @@ from ._platform import Platform, detect_platform, parse_platform
 from ._protocol import NoCachePrefill
 from ._reasons import Reason, ReasonCode
 from ._reference import TOLERANCE, reference_attention, relative_error
-from ._registry import PluginRecord, Registry, get_registry, reset_registry
+from ._registry import PluginPolicy, PluginRecord, Registry, get_registry, reset_registry
 from ._selector import Candidate, Selection, clear_selection_cache, select
 from ._spec import AttentionSpec, HeadwiseConfig, RopeSpec
 
@@ -40,6 +44,7 @@ __all__ = [
     "AttentionBackendError",
     "AttentionSpec",
     "BackendFailure",
+    "CanaryResult",
     "Candidate",
     "Capabilities",
     "FMHAParams",
@@ -47,6 +52,7 @@ __all__ = [
     "HeadwiseConfig",
     "InputLayout",
     "KVCacheFlagError",
+    "NativeBuildError",
     "NoBackendError",
     "NoCachePrefill",
     "PackedQKVError",
@@ -54,12 +60,15 @@ __all__ = [
     "Platform",
     "PlatformError",
     "PluginManifest",
+    "PluginPolicy",
     "PluginRecord",
     "PrefillBackend",
     "PrefillPlan",
     "PriorityRule",
     "QKVInput",
     "QKVViews",
+    "RankDecision",
+    "RankMismatchError",
     "Reason",
     "ReasonCode",
     "Registry",
@@ -68,6 +77,7 @@ __all__ = [
     "SpecError",
     "UnboundBackendError",
     "check_capabilities",
+    "check_consistent_across_ranks",
     "check_platform",
     "clear_selection_cache",
     "derive_need_rope_kv_cache",
@@ -79,6 +89,8 @@ __all__ = [
     "reference_attention",
     "relative_error",
     "reset_registry",
+    "run_canary",
     "select",
+    "select_across_ranks",
     "split_views",
 ]

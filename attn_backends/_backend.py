@@ -9,6 +9,8 @@ cannot forget any of them.
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
+from collections.abc import Iterator
+from contextlib import contextmanager
 from typing import ClassVar
 
 import torch
@@ -24,11 +26,26 @@ from ._contract import (
     preprocess_mode,
     run_forward,
 )
-from ._errors import UnboundBackendError
+from ._errors import AttentionBackendError, BackendFailure, ParamsError, UnboundBackendError
 from ._params import FMHAParams
 from ._platform import Platform
+from ._preprocess import resolve_preprocess
 from ._reasons import Reason
 from ._spec import AttentionSpec
+
+
+@contextmanager
+def _failures_named(backend: str, step: str) -> Iterator[None]:
+    """Re-raise a kernel's own exception as `BackendFailure` (original as ``__cause__``), so
+    callers catch one named error; the library's own errors pass through unchanged."""
+    try:
+        yield
+    except AttentionBackendError:
+        raise
+    except Exception as exc:
+        raise BackendFailure(
+            f"backend {backend} failed in {step}(): {type(exc).__name__}: {exc}"
+        ) from exc
 
 
 class PrefillBackend(ABC):
@@ -58,10 +75,8 @@ class PrefillBackend(ABC):
 
     def describe(self, platform: Platform) -> dict[str, str]:
         spec = self.bound_spec()
-        return {
-            "preprocess": preprocess_mode(spec, self.capabilities.fused_rope),
-            "input_layout": self.input_layout(spec),
-        }
+        rope = resolve_preprocess(spec, platform, self.capabilities.fused_rope)
+        return {**rope.details(), "input_layout": self.input_layout(spec)}
 
     def bound_spec(self) -> AttentionSpec:
         if self._spec is None:
@@ -73,11 +88,12 @@ class PrefillBackend(ABC):
 
     def prepare(self, params: FMHAParams) -> PrefillPlan:
         spec = self.bound_spec()
+        if not isinstance(params, FMHAParams):
+            raise ParamsError(f"prepare() takes FMHAParams, got {type(params).__name__}")
         fused = preprocess_mode(spec, self.capabilities.fused_rope) == "fused"
-        return prepare_plan(
-            self.name, spec, params, self.capabilities.fused_rope,
-            self.plan_kernel(spec, params, fused_rope=fused),
-        )
+        with _failures_named(self.name, "plan_kernel"):
+            kernel = self.plan_kernel(spec, params, fused_rope=fused)
+        return prepare_plan(self.name, spec, params, self.capabilities.fused_rope, kernel)
 
     def forward(
         self, qkv: QKVInput, plan: PrefillPlan, *, fp8_scales: Fp8Scales | None = None
@@ -89,8 +105,15 @@ class PrefillBackend(ABC):
             plan,
             fp8_scales,
             self.input_layout(self.bound_spec()),
-            self.attend,
+            self._attend_named,
         )
+
+    def _attend_named(self, views: QKVViews, plan: PrefillPlan) -> torch.Tensor:
+        with _failures_named(self.name, "attend"):
+            out = self.attend(views, plan)
+        if not isinstance(out, torch.Tensor):
+            raise BackendFailure(f"backend {self.name} attend() returned {type(out).__name__}")
+        return out
 
     def input_layout(self, spec: AttentionSpec) -> InputLayout:
         """Memory layout the kernel needs; by default from ``capabilities.needs_contiguous``."""

@@ -24,13 +24,19 @@ import torch
 from ._dtypes import dtype_name
 from ._errors import BackendFailure, PackedQKVError, ParamsError
 from ._params import FMHAParams
-from ._rope import PositionTables, apply_rope_logn, build_position_tables
+from ._preprocess import (
+    SEPARATE_MODES,
+    PreprocessMode,
+    apply_preprocess,
+    platform_of,
+    prepare_tables,
+    resolve_preprocess,
+)
+from ._preprocess import preprocess_mode as preprocess_mode  # re-exported: backends import it
+from ._rope import PositionTables
 from ._spec import AttentionSpec
 
-QKVInput: TypeAlias = (
-    "torch.Tensor | tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]"
-)
-PreprocessMode = Literal["none", "torch", "fused"]
+QKVInput: TypeAlias = "torch.Tensor | tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]"
 InputLayout = Literal["views", "dense-tensors", "dense-packed"]
 """How the kernel wants its input: strided views of the packed rows (no copy), dense Q/K/V
 tensors, or the dense packed ``[tokens, (Hq + 2*Hkv) * D]`` rows (copied only if strided)."""
@@ -53,7 +59,8 @@ class PrefillPlan:
     spec: AttentionSpec
     params: FMHAParams
     preprocess: PreprocessMode
-    """How RoPE/logn run: not needed, a separate torch pass, or inside the kernel."""
+    """How RoPE/logn run: not needed, a separate pass (torch, native or flashinfer), or inside
+    the kernel; resolved once per spec and device (see ``_preprocess``)."""
     tables: PositionTables | None
     kernel: object
     """Backend-owned plan (a wrapper, host metadata...); opaque to the contract."""
@@ -73,30 +80,13 @@ class QKVViews:
     fp8_scales: Fp8Scales | None
 
 
-def preprocess_mode(spec: AttentionSpec, fused_rope: bool) -> PreprocessMode:
-    """``fused`` only when the kernel can do all of it: rotate-half over the whole head, no logn."""
-    if spec.rope is None and not spec.use_logn_attn:
-        return "none"
-    if (
-        fused_rope
-        and spec.rope is not None
-        and not spec.rope.interleaved
-        and spec.rotary_dim == spec.head_dim
-        and not spec.use_logn_attn
-        and not spec.is_fp8
-    ):
-        return "fused"
-    return "torch"
-
-
 def prepare_plan(
     backend: str, spec: AttentionSpec, params: FMHAParams, fused_rope: bool, kernel: object
 ) -> PrefillPlan:
     if not isinstance(params, FMHAParams):
         raise ParamsError(f"prepare() takes FMHAParams, got {type(params).__name__}")
-    mode = preprocess_mode(spec, fused_rope)
-    tables = build_position_tables(spec, params.positions) if mode == "torch" else None
-    return PrefillPlan(backend, spec, params, mode, tables, kernel)
+    mode = resolve_preprocess(spec, platform_of(params.device), fused_rope).mode
+    return PrefillPlan(backend, spec, params, mode, prepare_tables(mode, spec, params), kernel)
 
 
 def _fail(problem: str, expected: str) -> PackedQKVError:
@@ -136,6 +126,11 @@ def unpack_packed(qkv: QKVInput, spec: AttentionSpec, params: FMHAParams) -> tor
         raise _fail(f"{packed.shape[0]} rows", f"at least token_q_num = {params.token_q_num}")
     if packed.shape[1] > 1 and packed.stride(1) != 1:
         raise _fail(f"column stride {packed.stride(1)}", "column stride 1 (rows may be strided)")
+    if packed.shape[0] > 1 and packed.stride(0) < width:
+        raise _fail(
+            f"row stride {packed.stride(0)}: rows overlap in memory",
+            f"row stride >= {width}, one row of memory per token (e.g. qkv.contiguous())",
+        )
     if packed.device != params.device:
         raise _fail(
             f"QKV on {packed.device} but FMHAParams on {params.device}",
@@ -152,8 +147,10 @@ def check_fp8_scales(spec: AttentionSpec, scales: Fp8Scales | None, device: torc
     if scales is not None:
         for name, t in (("q", scales.q), ("k", scales.k), ("v", scales.v)):
             if not isinstance(t, torch.Tensor) or t.numel() != 1 or t.device != device:
-                raise _fail(f"fp8_scales.{name} is not a one-element tensor on {device}",
-                            "per-tensor float32 scales on the QKV device")
+                raise _fail(
+                    f"fp8_scales.{name} is not a one-element tensor on {device}",
+                    "per-tensor float32 scales on the QKV device",
+                )
 
 
 def split_views(packed: torch.Tensor, spec: AttentionSpec, tokens: int) -> tuple[torch.Tensor, ...]:
@@ -162,9 +159,9 @@ def split_views(packed: torch.Tensor, spec: AttentionSpec, tokens: int) -> tuple
     q_end = spec.q_width
     k_end = q_end + spec.kv_width
     return (
-        rows[:, :q_end].unflatten(1, (spec.num_heads, spec.head_dim)),
-        rows[:, q_end:k_end].unflatten(1, (spec.num_kv_heads, spec.head_dim)),
-        rows[:, k_end:].unflatten(1, (spec.num_kv_heads, spec.head_dim)),
+        rows[:, :q_end].view(tokens, spec.num_heads, spec.head_dim),
+        rows[:, q_end:k_end].view(tokens, spec.num_kv_heads, spec.head_dim),
+        rows[:, k_end:].view(tokens, spec.num_kv_heads, spec.head_dim),
     )
 
 
@@ -187,14 +184,13 @@ def run_forward(
     packed = unpack_packed(qkv, spec, params)
     check_fp8_scales(spec, fp8_scales, packed.device)
     tokens = params.token_q_num
-    if plan.tables is not None:
-        qk = packed[:tokens, : spec.q_width + spec.kv_width]
-        apply_rope_logn(
-            qk.unflatten(1, (spec.num_heads + spec.num_kv_heads, spec.head_dim)),
-            spec.num_heads,
-            spec,
-            plan.tables,
-        )
+    if plan.preprocess in SEPARATE_MODES:
+        if packed.requires_grad and torch.is_grad_enabled():
+            raise _fail(
+                "a QKV buffer that requires grad, while RoPE/logn are applied to it in place",
+                "an inference input: call under torch.inference_mode() or torch.no_grad()",
+            )
+        apply_preprocess(plan.preprocess, packed, spec, params, plan.tables)
     rows = packed[:tokens]
     if layout == "dense-packed":
         rows = rows.contiguous()

@@ -6,6 +6,7 @@ from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
+    from ._distributed import RankDecision
     from ._reasons import Reason
 
 
@@ -53,3 +54,14 @@ class BackendFailure(AttentionBackendError, RuntimeError):
 
 class RankMismatchError(AttentionBackendError, RuntimeError):
     """Ranks of one process group selected different backends (or some failed to select)."""
+
+    def __init__(self, message: str, decisions: Sequence[RankDecision] = ()) -> None:
+        super().__init__(message)
+        self.decisions: tuple[RankDecision, ...] = tuple(decisions)
+
+
+class NativeBuildError(AttentionBackendError, RuntimeError):
+    """The native RoPE/logn kernel (``csrc/``) cannot be built or loaded on this machine.
+
+    The pre-processing choice catches it, falls back to another implementation and records why.
+    """

@@ -9,14 +9,25 @@ import torch
 
 from ._errors import ParamsError
 
+_INT32_MAX = 2**31 - 1
+
 
 def _as_int_list(name: str, values: Sequence[int] | torch.Tensor) -> list[int]:
     if isinstance(values, torch.Tensor):
         if values.dim() != 1 or values.dtype.is_floating_point or values.dtype == torch.bool:
             raise ParamsError(f"{name} must be a 1-D integer tensor or a sequence of ints")
+        if values.device.type == "meta":
+            raise ParamsError(f"{name} is on the meta device and has no values; pass host ints")
         return [int(v) for v in values.tolist()]
+    try:
+        items = list(values)
+    except TypeError:
+        raise ParamsError(
+            f"{name} must be a sequence of ints or a 1-D integer tensor, got "
+            f"{type(values).__name__}"
+        ) from None
     out: list[int] = []
-    for v in values:
+    for v in items:
         if isinstance(v, bool) or not isinstance(v, int):
             raise ParamsError(f"{name} must hold ints, got {v!r}")
         out.append(v)
@@ -74,6 +85,11 @@ class FMHAParams:
         total = sum(lengths)
         if total == 0:
             raise ParamsError("input_lengths are all zero: the batch has no token to attend")
+        if total > _INT32_MAX:
+            raise ParamsError(
+                f"{total} tokens overflow the int32 cu_seqlens kernels read (at most "
+                f"{_INT32_MAX}); split the batch"
+            )
         if prefix_lengths is not None:
             prefixes = _as_int_list("prefix_lengths", prefix_lengths)
             if len(prefixes) != len(lengths):

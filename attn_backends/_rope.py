@@ -31,7 +31,9 @@ def build_position_tables(spec: AttentionSpec, positions: torch.Tensor) -> Posit
     cos = sin = logn = None
     if spec.rope is not None:
         half = spec.rotary_dim // 2
-        exponent = torch.arange(half, dtype=torch.float64, device=pos.device) * 2.0 / spec.rotary_dim
+        exponent = (
+            torch.arange(half, dtype=torch.float64, device=pos.device) * 2.0 / spec.rotary_dim
+        )
         inv_freq = spec.rope.theta ** (-exponent)
         angles = pos[:, None] * inv_freq[None, :]
         cos = angles.cos().to(torch.float32)[:, None, :]
@@ -55,7 +57,7 @@ def apply_rope_logn(
         rot = qk[..., : spec.rotary_dim]
         x = rot.to(torch.float32)
         if spec.rope.interleaved:
-            pairs = x.unflatten(-1, (-1, 2))
+            pairs = x.reshape(*x.shape[:-1], -1, 2)
             x1, x2 = pairs[..., 0], pairs[..., 1]
             rotated = torch.stack(
                 (x1 * tables.cos - x2 * tables.sin, x2 * tables.cos + x1 * tables.sin), dim=-1

@@ -6,24 +6,38 @@ import json
 import logging
 import os
 import threading
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Literal
 
 import torch
 
-from ._errors import NoBackendError, SpecError
+from ._canary import CANARY_OFF, CanaryResult, run_canary
+from ._errors import NoBackendError, PlatformError, SpecError
 from ._flags import derive_need_rope_kv_cache
 from ._platform import Platform, detect_platform, parse_platform
 from ._protocol import NoCachePrefill
 from ._reasons import Reason, ReasonCode
-from ._registry import BackendEntry, PluginRecord, Registry, get_registry
+from ._registry import (
+    DISABLE_ENV,
+    BackendEntry,
+    PluginPolicy,
+    PluginRecord,
+    Registry,
+    RegistrySnapshot,
+    get_registry,
+)
 from ._spec import AttentionSpec
 
 logger = logging.getLogger("attn_backends")
 
 BACKEND_ENV = "ATTN_BACKEND"
+STRICT_ENV = "ATTN_BACKENDS_STRICT"
+"""``1``/``true``/``yes``/``on``: run the canary on every `select` that has no ``strict=``."""
 DecisionSource = Literal["explicit", "environment", "priority"]
 Verdict = Literal["selected", "eligible", "rejected", "not ranked"]
+
+_TRUE = frozenset({"1", "true", "yes", "on"})
+_FALSE = frozenset({"", "0", "false", "no", "off"})
 
 
 @dataclass(frozen=True)
@@ -62,6 +76,11 @@ class Selection:
     candidates: tuple[Candidate, ...]
     details: tuple[tuple[str, str], ...]
     plugins: tuple[PluginRecord, ...]
+    policy: PluginPolicy = field(default_factory=PluginPolicy)
+    """The allow/block lists in force when the decision was made."""
+    strict: bool = False
+    canary: CanaryResult = CANARY_OFF
+    """The strict-mode canary of the winner (``off`` unless strict)."""
 
     @property
     def name(self) -> str:
@@ -84,6 +103,9 @@ class Selection:
             "need_rope_kv_cache": self.need_rope_kv_cache,
             "need_rope_kv_cache_given": self.flag_given,
             "details": dict(self.details),
+            "policy": self.policy.to_dict(),
+            "strict": self.strict,
+            "canary": self.canary.to_dict(),
             "candidates": [c.to_dict() for c in self.candidates],
             "plugins": [p.to_dict() for p in self.plugins],
         }
@@ -97,6 +119,8 @@ class Selection:
             + (" (dry run: library checks assumed to pass)" if self.platform.assumed else ""),
             f"kv cache: {'present' if self.has_kv_cache else 'none'}; need_rope_kv_cache="
             f"{self.need_rope_kv_cache} ({'given' if self.flag_given is not None else 'derived'})",
+            f"plugin policy: {self.policy.describe()}",
+            f"strict: on; {self.canary.detail}" if self.strict else "strict: off",
         ]
         if self.details:
             lines.append("details: " + ", ".join(f"{k}={v}" for k, v in self.details))
@@ -105,7 +129,13 @@ class Selection:
             prio = f" priority {c.priority} [{c.priority_rule}]" if c.priority is not None else ""
             lines.append(f"  {c.verdict:>10}  {c.name} (plugin {c.plugin}){prio}")
             lines.extend(f"              - {r}" for r in c.reasons)
-        bad = [p for p in self.plugins if p.status != "loaded" or p.error]
+        off = [p for p in self.plugins if p.status == "disabled"]
+        if off:
+            lines.append("plugins disabled:")
+            lines.extend(f"  {p.name}: {p.error}" for p in off)
+        bad = [
+            p for p in self.plugins if p.status != "disabled" and (p.status != "loaded" or p.error)
+        ]
         if bad:
             lines.append("plugin problems:")
             lines.extend(f"  {p.name}: {p.status}: {p.error}" for p in bad)
@@ -127,37 +157,139 @@ def _spec_line(spec: AttentionSpec) -> str:
     )
 
 
-def _judge(
-    entry: BackendEntry, spec: AttentionSpec, platform: Platform, has_kv_cache: bool
-) -> tuple[list[Reason], int | None, str | None]:
-    backend = entry.backend
-    reasons: list[Reason] = []
-    if has_kv_cache:
-        reasons.append(
-            Reason(ReasonCode.KV_CACHE_PRESENT,
-                   "serves no-KV-cache prefill only; a KV cache is present",
-                   "has_kv_cache", "True", "False")
-        )
+@dataclass(frozen=True)
+class _Request:
+    """Everything a decision depends on besides the registry; hashable, so it keys the cache."""
+
+    spec: AttentionSpec
+    platform: Platform
+    has_kv_cache: bool
+    flag: bool
+    flag_given: bool | None
+    explicit: str | None
+    source: DecisionSource
+    policy: PluginPolicy
+    strict: bool
+    canary_device: str | None
+    """Where the strict canary runs; None when strict is off or the platform is a dry run."""
+
+
+@dataclass
+class _Judged:
+    entry: BackendEntry
+    reasons: list[Reason]
+    priority: int | None
+    rule: str | None
+
+    @property
+    def name(self) -> str:
+        return self.entry.backend.name
+
+
+def _short_error(exc: BaseException) -> str:
+    return f"{type(exc).__name__}: {exc}"
+
+
+def _supports(backend: NoCachePrefill, spec: AttentionSpec, platform: Platform) -> list[Reason]:
+    """``backend.supports`` with a plugin's exception or wrong return turned into a reason."""
     try:
-        reasons.extend(backend.supports(spec, platform))
+        found = backend.supports(spec, platform)
     except Exception as exc:
+        return [Reason(ReasonCode.BACKEND_SPECIFIC, f"supports() raised {_short_error(exc)}")]
+    if not isinstance(found, list) or not all(isinstance(r, Reason) for r in found):
+        return [
+            Reason(
+                ReasonCode.BACKEND_SPECIFIC,
+                f"supports() returned {type(found).__name__}, not a list of Reason",
+            )
+        ]
+    return found
+
+
+def _judge(entry: BackendEntry, req: _Request) -> _Judged:
+    backend = entry.backend
+    refusal = req.policy.backend_refusal(backend.name, entry.plugin)
+    if refusal is not None:
+        reason = Reason(ReasonCode.DISABLED, refusal, DISABLE_ENV)
+        return _Judged(entry, [reason], None, None)
+    reasons: list[Reason] = []
+    if req.has_kv_cache:
         reasons.append(
-            Reason(ReasonCode.BACKEND_SPECIFIC,
-                   f"supports() raised {type(exc).__name__}: {exc}")
+            Reason(
+                ReasonCode.KV_CACHE_PRESENT,
+                "serves no-KV-cache prefill only; a KV cache is present",
+                "has_kv_cache",
+                "True",
+                "False",
+            )
         )
-    rule = backend.capabilities.priority_for(spec, platform)
+    reasons.extend(_supports(backend, req.spec, req.platform))
+    rule = backend.capabilities.priority_for(req.spec, req.platform)
     if rule is None:
-        return reasons, None, None
-    return reasons, rule.score, rule.describe()
+        return _Judged(entry, reasons, None, None)
+    return _Judged(entry, reasons, rule.score, rule.describe())
 
 
-_cache: dict[tuple[object, ...], Selection] = {}
+_Key = tuple[_Request, int, int]
+_cache: dict[_Key, Selection] = {}
 _cache_lock = threading.Lock()
+_deciding: dict[_Key, threading.Lock] = {}
+"""One lock per request being decided: threads asking the same thing at once wait for the first
+and share its result (a strict canary runs once, not once per thread); other requests proceed."""
 
 
 def clear_selection_cache() -> None:
     with _cache_lock:
         _cache.clear()
+
+
+def strict_from_env() -> bool:
+    """``$ATTN_BACKENDS_STRICT`` as a bool; an unrecognised value is taken as on, with a warning."""
+    raw = os.environ.get(STRICT_ENV, "").strip().lower()
+    if raw in _FALSE:
+        return False
+    if raw not in _TRUE:
+        logger.warning("%s=%r is not one of 1/0/true/false; strict mode is on", STRICT_ENV, raw)
+    return True
+
+
+def _platform_for(device: torch.device | str | None, platform: Platform | str | None) -> Platform:
+    if isinstance(platform, str):
+        return parse_platform(platform)
+    if isinstance(platform, Platform):
+        return platform
+    if platform is not None:
+        raise PlatformError(
+            f"platform must be a Platform, a string such as 'cuda:sm90', or None; got "
+            f"{type(platform).__name__}"
+        )
+    dev = _device(device)
+    try:
+        return detect_platform(dev)
+    except (RuntimeError, AssertionError) as exc:
+        raise PlatformError(f"cannot inspect device {dev}: {exc}") from None
+
+
+def _device(device: torch.device | str | None) -> torch.device | None:
+    if device is None:
+        return None
+    try:
+        dev = torch.device(device)
+    except (RuntimeError, TypeError) as exc:
+        raise PlatformError(f"device {device!r} is not a torch device: {exc}") from None
+    if dev.type not in ("cpu", "cuda"):
+        raise PlatformError(
+            f"select() picks kernels for cpu or cuda devices (ROCm GPUs are cuda in torch); "
+            f"got {dev}"
+        )
+    return dev
+
+
+def _canary_device(device: torch.device | str | None, plat: Platform) -> str:
+    dev = _device(device)
+    if dev is not None:
+        return str(dev)
+    return "cpu" if plat.kind == "cpu" else "cuda"
 
 
 def select(
@@ -169,126 +301,221 @@ def select(
     backend: str | None = None,
     platform: Platform | str | None = None,
     registry: Registry | None = None,
+    strict: bool | None = None,
 ) -> Selection:
     """Pick the no-cache prefill backend for ``spec`` on this machine (or on ``platform``).
 
     An explicit ``backend`` (or the ``ATTN_BACKEND`` environment variable) is honoured or
-    refused with its reasons, never swapped for another. Raises `KVCacheFlagError` when the
-    RoPE/KV-cache flag contradicts the model and `NoBackendError` when nothing fits.
+    refused with its reasons, never swapped for another. Backends switched off by
+    ``ATTN_BACKENDS_DISABLE``/``ATTN_BACKENDS_PLUGINS`` are refused with a ``disabled`` reason.
+    With ``strict`` (default: ``ATTN_BACKENDS_STRICT``) the winner first runs a canary against
+    the reference on ``device``; one that fails is recorded and the next candidate is taken,
+    or, when chosen explicitly, `NoBackendError` is raised. A dry-run ``platform`` string skips
+    the canary (nothing to run on) and the record says so.
+
+    Raises `KVCacheFlagError` when the RoPE/KV-cache flag contradicts the model,
+    `PlatformError` for a device or platform that cannot be used, and `NoBackendError` when
+    nothing fits.
     """
     if not isinstance(spec, AttentionSpec):
         raise SpecError(f"select() takes an AttentionSpec, got {type(spec).__name__}")
+    if backend is not None and not isinstance(backend, str):
+        raise NoBackendError(f"backend= must be a backend name (str), got {type(backend).__name__}")
     flag = derive_need_rope_kv_cache(spec, has_kv_cache, need_rope_kv_cache)
-    if isinstance(platform, str):
-        plat = parse_platform(platform)
-    elif isinstance(platform, Platform):
-        plat = platform
-    else:
-        plat = detect_platform(device)
+    plat = _platform_for(device, platform)
     env_choice = os.environ.get(BACKEND_ENV, "").strip() or None
-    explicit, source = (
-        (backend, "explicit") if backend is not None
-        else (env_choice, "environment") if env_choice is not None
-        else (None, "priority")
+    explicit = backend if backend is not None else env_choice
+    source: DecisionSource = (
+        "explicit"
+        if backend is not None
+        else "environment"
+        if env_choice is not None
+        else "priority"
+    )
+    on = strict_from_env() if strict is None else bool(strict)
+    req = _Request(
+        spec=spec,
+        platform=plat,
+        has_kv_cache=has_kv_cache,
+        flag=flag,
+        flag_given=need_rope_kv_cache,
+        explicit=explicit,
+        source=source,
+        policy=PluginPolicy.from_env(),
+        strict=on,
+        canary_device=_canary_device(device, plat) if on and not plat.assumed else None,
     )
     reg = registry if registry is not None else get_registry()
-    key = (spec, plat, has_kv_cache, flag, need_rope_kv_cache, explicit, source, id(reg),
-           reg.generation)
+    snap = reg.snapshot()
+    key = (req, reg.serial, snap.generation)
     with _cache_lock:
         cached = _cache.get(key)
-    if cached is not None:
-        return cached
-    selection = _decide(spec, plat, has_kv_cache, flag, need_rope_kv_cache, explicit, source, reg)
-    with _cache_lock:
-        selection = _cache.setdefault(key, selection)
+        if cached is not None:
+            return cached
+        decision_lock = _deciding.setdefault(key, threading.Lock())
+    with decision_lock:
+        with _cache_lock:
+            cached = _cache.get(key)
+        if cached is not None:
+            return cached
+        try:
+            selection = _decide(req, snap)
+            with _cache_lock:
+                _cache[key] = selection
+        finally:
+            with _cache_lock:
+                _deciding.pop(key, None)
     logger.info(
-        "attention backend %s selected by %s for %s on %s", selection.name, source,
-        _spec_line(spec), plat,
+        "attention backend %s selected by %s for %s on %s",
+        selection.name,
+        source,
+        _spec_line(spec),
+        plat,
     )
     return selection
 
 
-def _decide(
-    spec: AttentionSpec,
-    plat: Platform,
-    has_kv_cache: bool,
-    flag: bool,
-    flag_given: bool | None,
-    explicit: str | None,
-    source: DecisionSource,
-    reg: Registry,
-) -> Selection:
-    entries = reg.entries()
-    judged = [(entry, *_judge(entry, spec, plat, has_kv_cache)) for entry in entries]
-    winner: BackendEntry | None = None
-    if explicit is not None:
-        match = next((j for j in judged if j[0].backend.name == explicit), None)
+_Winner = tuple[NoCachePrefill, tuple[tuple[str, str], ...], CanaryResult]
+
+
+def _try_winner(judged: _Judged, req: _Request) -> _Winner | Reason:
+    """Bind the candidate and, in strict mode, run its canary; a failure becomes a reason."""
+    backend = judged.entry.backend
+    try:
+        bound = backend.bind(req.spec)
+        described = bound.describe(req.platform)
+    except Exception as exc:
+        return Reason(ReasonCode.BACKEND_SPECIFIC, f"bind()/describe() raised {_short_error(exc)}")
+    if not isinstance(described, dict):
+        return Reason(
+            ReasonCode.BACKEND_SPECIFIC,
+            f"describe() returned {type(described).__name__}, not a dict",
+        )
+    details = tuple(sorted((str(k), str(v)) for k, v in described.items()))
+    if not req.strict:
+        return bound, details, CANARY_OFF
+    if req.canary_device is None:
+        return (
+            bound,
+            details,
+            CanaryResult(
+                "skipped",
+                f"canary skipped: {req.platform} is a dry-run platform, nothing to run on",
+            ),
+        )
+    try:
+        probe = backend.bind(req.spec)
+    except Exception as exc:
+        return Reason(ReasonCode.BACKEND_SPECIFIC, f"bind() raised {_short_error(exc)}")
+    result = run_canary(probe, req.spec, req.canary_device)
+    if result.status == "failed":
+        got = f"{result.relative_error:.3g}" if result.relative_error is not None else None
+        allowed = f"< {result.tolerance:g}" if result.tolerance is not None else None
+        return Reason(ReasonCode.CANARY_FAILED, result.detail, "strict", got, allowed)
+    return bound, details, result
+
+
+def _failure_lines(judged: list[_Judged]) -> list[str]:
+    lines = []
+    for j in judged:
+        if j.reasons:
+            text = "; ".join(str(r) for r in j.reasons)
+        elif j.priority is None:
+            text = "fits, but has no priority on this platform (choose it explicitly)"
+        else:
+            text = "fits"
+        lines.append(f"  - {j.name}: {text}")
+    return lines
+
+
+def _unknown(req: _Request, snap: RegistrySnapshot) -> NoBackendError:
+    known = ", ".join(e.backend.name for e in snap.entries) or "none registered"
+    where = "backend=" if req.source == "explicit" else f"${BACKEND_ENV}="
+    text = f"unknown backend {where}{req.explicit!r}; known backends: {known}"
+    unloaded = [p for p in snap.records if p.status != "loaded"]
+    if unloaded:
+        text += "; plugins not loaded: " + "; ".join(
+            f"{p.name} ({p.status}: {p.error})" for p in unloaded
+        )
+    return NoBackendError(text)
+
+
+def _decide(req: _Request, snap: RegistrySnapshot) -> Selection:
+    judged = [_judge(entry, req) for entry in snap.entries]
+    if req.explicit is not None:
+        match = next((j for j in judged if j.name == req.explicit), None)
         if match is None:
-            known = ", ".join(e.backend.name for e in entries) or "none registered"
-            where = "backend=" if source == "explicit" else f"${BACKEND_ENV}="
-            raise NoBackendError(f"unknown backend {where}{explicit!r}; known backends: {known}")
-        if match[1]:
-            raise NoBackendError(
-                f"backend {explicit!r} was chosen explicitly ({source}) but cannot serve this "
-                "request; it is not swapped for another:\n"
-                + "\n".join(f"  - {r}" for r in match[1]),
-                [(explicit, match[1])],
-            )
-        winner = match[0]
+            raise _unknown(req, snap)
+        order = [match]
     else:
-        ranked = [j for j in judged if not j[1] and j[2] is not None]
-        ranked.sort(key=lambda j: (-(j[2] or 0), j[0].order))
-        if ranked:
-            winner = ranked[0][0]
+        order = [j for j in judged if not j.reasons and j.priority is not None]
+        order.sort(key=lambda j: (-(j.priority or 0), j.entry.order))
+    winner: tuple[_Judged, _Winner] | None = None
+    for cand in order:
+        if cand.reasons:
+            break
+        outcome = _try_winner(cand, req)
+        if isinstance(outcome, Reason):
+            cand.reasons.append(outcome)
+            logger.warning("attention backend %s passed over: %s", cand.name, outcome)
+            continue
+        winner = (cand, outcome)
+        break
     if winner is None:
-        lines = []
-        for entry, reasons, prio, _ in judged:
-            text = "; ".join(str(r) for r in reasons) if reasons else (
-                "fits, but has no priority on this platform (choose it explicitly)"
-                if prio is None else "fits"
+        if req.explicit is not None:
+            reasons = order[0].reasons
+            raise NoBackendError(
+                f"backend {req.explicit!r} was chosen explicitly ({req.source}) but cannot serve "
+                "this request; it is not swapped for another:\n"
+                + "\n".join(f"  - {r}" for r in reasons),
+                [(req.explicit, reasons)],
             )
-            lines.append(f"  - {entry.backend.name}: {text}")
         head = (
             "no backend serves this request: this path serves no-KV-cache prefill only, and a "
             "KV cache is present (use the engine's KV-cache attention path)"
-            if has_kv_cache
-            else f"no backend serves {_spec_line(spec)} on {plat}"
+            if req.has_kv_cache
+            else f"no backend serves {_spec_line(req.spec)} on {req.platform}"
         )
         raise NoBackendError(
-            head + ":\n" + "\n".join(lines),
-            [(e.backend.name, r) for e, r, _, _ in judged],
+            head + ":\n" + "\n".join(_failure_lines(judged)),
+            [(j.name, j.reasons) for j in judged],
         )
-    candidates = []
-    for entry, reasons, prio, rule in judged:
-        verdict: Verdict
-        if entry is winner:
-            verdict = "selected"
-        elif reasons:
-            verdict = "rejected"
-        elif prio is None:
-            verdict = "not ranked"
-        else:
-            verdict = "eligible"
-        if verdict == "not ranked":
-            reasons = [
-                Reason(ReasonCode.NOT_RANKED,
-                       f"no priority rule for {plat}; chosen only when named explicitly")
-            ]
-        candidates.append(
-            Candidate(entry.backend.name, entry.plugin, verdict, prio, rule, tuple(reasons))
-        )
-    order = {"selected": 0, "eligible": 1, "not ranked": 2, "rejected": 3}
-    candidates.sort(key=lambda c: (order[c.verdict], -(c.priority or 0)))
-    bound = winner.backend.bind(spec)
+    chosen, (bound, details, canary) = winner
+    candidates = [_candidate(j, j is chosen, req.platform) for j in judged]
+    order_of = {"selected": 0, "eligible": 1, "not ranked": 2, "rejected": 3}
+    candidates.sort(key=lambda c: (order_of[c.verdict], -(c.priority or 0)))
     return Selection(
         backend=bound,
-        spec=spec,
-        platform=plat,
-        has_kv_cache=has_kv_cache,
-        need_rope_kv_cache=flag,
-        flag_given=flag_given,
-        source=source,
+        spec=req.spec,
+        platform=req.platform,
+        has_kv_cache=req.has_kv_cache,
+        need_rope_kv_cache=req.flag,
+        flag_given=req.flag_given,
+        source=req.source,
         candidates=tuple(candidates),
-        details=tuple(sorted(bound.describe(plat).items())),
-        plugins=tuple(reg.records()),
+        details=details,
+        plugins=snap.records,
+        policy=req.policy,
+        strict=req.strict,
+        canary=canary,
     )
+
+
+def _candidate(j: _Judged, selected: bool, plat: Platform) -> Candidate:
+    verdict: Verdict
+    reasons = tuple(j.reasons)
+    if selected:
+        verdict = "selected"
+    elif reasons:
+        verdict = "rejected"
+    elif j.priority is None:
+        verdict = "not ranked"
+        reasons = (
+            Reason(
+                ReasonCode.NOT_RANKED,
+                f"no priority rule for {plat}; chosen only when named explicitly",
+            ),
+        )
+    else:
+        verdict = "eligible"
+    return Candidate(j.name, j.entry.plugin, verdict, j.priority, j.rule, reasons)

@@ -34,6 +34,7 @@ class RopeSpec:
             raise SpecError(
                 f"RopeSpec.rotary_dim must be a positive even int or None, got {self.rotary_dim!r}"
             )
+        _flag("RopeSpec.interleaved", self.interleaved)
 
     def to_dict(self) -> dict[str, object]:
         return {"theta": self.theta, "rotary_dim": self.rotary_dim, "interleaved": self.interleaved}
@@ -57,8 +58,15 @@ class HeadwiseConfig:
     seqlen_threshold: int = 16384
 
     def __post_init__(self) -> None:
-        object.__setattr__(self, "retrieval_heads", frozenset(self.retrieval_heads))
-        if any(not isinstance(h, int) or h < 0 for h in self.retrieval_heads):
+        try:
+            heads = frozenset(self.retrieval_heads)
+        except TypeError:
+            raise SpecError(
+                "HeadwiseConfig.retrieval_heads must be a set of head indices, got "
+                f"{self.retrieval_heads!r}"
+            ) from None
+        object.__setattr__(self, "retrieval_heads", heads)
+        if any(isinstance(h, bool) or not isinstance(h, int) or h < 0 for h in heads):
             raise SpecError("HeadwiseConfig.retrieval_heads must be non-negative head indices")
         for name, value in (
             ("sink_token_num", self.sink_token_num),
@@ -79,6 +87,12 @@ class HeadwiseConfig:
             "swa_token_num": self.swa_token_num,
             "seqlen_threshold": self.seqlen_threshold,
         }
+
+
+def _flag(name: str, value: object) -> None:
+    """Flags are real bools: a truthy string such as "false" must not switch a mask on."""
+    if not isinstance(value, bool):
+        raise SpecError(f"{name} must be True or False, got {value!r}")
 
 
 def _positive_int(name: str, value: object) -> None:
@@ -114,6 +128,9 @@ class AttentionSpec:
         _positive_int("num_heads", self.num_heads)
         _positive_int("num_kv_heads", self.num_kv_heads)
         _positive_int("head_dim", self.head_dim)
+        _flag("AttentionSpec.causal", self.causal)
+        _flag("AttentionSpec.use_logn_attn", self.use_logn_attn)
+        _flag("AttentionSpec.use_mla", self.use_mla)
         if self.num_heads % self.num_kv_heads:
             raise SpecError(
                 f"num_heads ({self.num_heads}) must be a multiple of num_kv_heads "
@@ -129,6 +146,11 @@ class AttentionSpec:
             if rotary_dim is not None and rotary_dim > self.head_dim:
                 raise SpecError(
                     f"RopeSpec.rotary_dim ({rotary_dim}) exceeds head_dim ({self.head_dim})"
+                )
+            if rotary_dim is None and self.head_dim % 2:
+                raise SpecError(
+                    f"RoPE over the whole head needs an even head_dim, got {self.head_dim}; "
+                    "set RopeSpec.rotary_dim to the even number of rotated dims"
                 )
         if self.use_logn_attn:
             if not isinstance(self.logn_base, int) or self.logn_base < 2:

@@ -1,0 +1,415 @@
+"""A fake ``flashinfer`` for CPU tests: real signatures, real argument checks, torch math.
+
+It stands in for flashinfer-python 0.7.0.post1 and offers what the ``flashinfer``,
+``flashinfer-rope`` and ``trt`` backends call: ``BatchPrefillWithRaggedKVCacheWrapper``
+(constructor, ``plan``, ``run``) and ``flashinfer.prefill.trtllm_fmha_v2_prefill``. Every call
+is bound to a stub with the real parameter list (``_sig_*``; ``test_fake_signatures_match_real``
+compares them with an installed flashinfer), so a wrong keyword raises ``TypeError`` as it
+would on the real library, then checked the way flashinfer checks it, or the way its kernels
+would silently misbehave:
+
+* ``plan``'s ``q_data_type`` defaults to float16; ``run`` refuses another dtype
+  (``utils._check_cached_qkv_data_type``); ``q.size(0)`` must equal ``qo_indptr[-1]``;
+* loads need unit last-dim stride and 16-byte aligned base and strides (128-bit cp.async in
+  fa2, TMA in fa3 and FMHA v2): the fake raises where the kernel would read wrong bytes; the
+  output of ``run`` must be dense (fa2 writes it with strides from the shape);
+* fa3 ignores ``pos_encoding_mode="ROPE_LLAMA"`` without an error, as the real one does;
+* FMHA v2 ``PACKED_QKV`` derives every stride from the shapes: ``qkv`` must be contiguous;
+  ``cum_seq_lens`` are read as int32; any mask string but ``"padding"`` is causal.
+
+Output rows no request covers stay NaN, as uninitialised memory would be garbage. Every call is
+recorded with its arguments by parameter name.
+"""
+
+from __future__ import annotations
+
+import inspect
+import itertools
+import math
+import sys
+import types
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import pytest
+import torch
+
+FLASHINFER_VERSION = "0.7.0.post1"
+ALIGN = 16
+SERVED_BACKENDS = ("auto", "fa2", "fa3")
+POS_ENCODINGS = ("NONE", "ROPE_LLAMA", "ALIBI")
+
+
+# Signatures of flashinfer 0.7.0.post1 (prefill.py:3601, 3808, 4472, 6615). Only names, order
+# and defaults matter; bodies are never run.
+
+
+def _sig_wrapper_init(
+    self: Any,
+    float_workspace_buffer: torch.Tensor,
+    kv_layout: str = "NHD",
+    use_cuda_graph: bool = False,
+    qo_indptr_buf: torch.Tensor | None = None,
+    kv_indptr_buf: torch.Tensor | None = None,
+    custom_mask_buf: torch.Tensor | None = None,
+    mask_indptr_buf: torch.Tensor | None = None,
+    backend: str = "auto",
+    jit_args: list[Any] | None = None,
+    jit_kwargs: dict[str, Any] | None = None,
+    variant_owns_mask: bool = False,
+) -> None: ...
+
+
+def _sig_plan(
+    self: Any,
+    qo_indptr: torch.Tensor,
+    kv_indptr: torch.Tensor,
+    num_qo_heads: int,
+    num_kv_heads: int,
+    head_dim_qk: int,
+    head_dim_vo: int | None = None,
+    custom_mask: torch.Tensor | None = None,
+    packed_custom_mask: torch.Tensor | None = None,
+    causal: bool = False,
+    pos_encoding_mode: str = "NONE",
+    use_fp16_qk_reduction: bool = False,
+    window_left: int = -1,
+    logits_soft_cap: float | None = None,
+    sm_scale: float | None = None,
+    rope_scale: float | None = None,
+    rope_theta: float | None = None,
+    q_data_type: str | torch.dtype = "float16",
+    kv_data_type: str | torch.dtype | None = None,
+    o_data_type: str | torch.dtype | None = None,
+    non_blocking: bool = True,
+    prefix_len_ptr: torch.Tensor | None = None,
+    token_pos_in_items_ptr: torch.Tensor | None = None,
+    token_pos_in_items_len: int = 0,
+    max_item_len_ptr: torch.Tensor | None = None,
+    fixed_split_size: int | None = None,
+    disable_split_kv: bool = False,
+    seq_lens: torch.Tensor | None = None,
+    seq_lens_q: torch.Tensor | None = None,
+    max_token_per_sequence: int | None = None,
+    max_sequence_kv: int | None = None,
+    v_indptr: torch.Tensor | None = None,
+    o_indptr: torch.Tensor | None = None,
+) -> None: ...
+
+
+def _sig_run(
+    self: Any,
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    *args: Any,
+    q_scale: float | None = None,
+    k_scale: float | None = None,
+    v_scale: float | None = None,
+    o_scale: float | None = None,
+    out: torch.Tensor | None = None,
+    lse: torch.Tensor | None = None,
+    return_lse: bool = False,
+    enable_pdl: bool | None = None,
+    kv_cache_sf: Any = None,
+) -> Any: ...
+
+
+def _sig_trtllm_fmha_v2_prefill(
+    qkv: Any,
+    input_layout: str,
+    workspace_buffer: torch.Tensor,
+    seq_lens: torch.Tensor,
+    max_q_len: int,
+    max_kv_len: int,
+    bmm1_scale: float,
+    bmm2_scale: float,
+    batch_size: int,
+    cum_seq_lens_q: torch.Tensor,
+    cum_seq_lens_kv: torch.Tensor,
+    block_tables: torch.Tensor | None = None,
+    out: torch.Tensor | None = None,
+    out_dtype: torch.dtype | str | None = None,
+    sinks: list[torch.Tensor] | None = None,
+    pos_encoding_mode: str | None = None,
+    logits_soft_cap_scale: float | None = None,
+    mask_mode: str = "causal",
+    window_left: int = -1,
+    chunked_attention_size: int = 0,
+    save_softmax_stats: bool = False,
+    skip_softmax_threshold_scale_factor: float = 0,
+) -> Any: ...
+
+
+SIGNATURES: dict[str, Callable[..., Any]] = {
+    "BatchPrefillWithRaggedKVCacheWrapper.__init__": _sig_wrapper_init,
+    "BatchPrefillWithRaggedKVCacheWrapper.plan": _sig_plan,
+    "BatchPrefillWithRaggedKVCacheWrapper.run": _sig_run,
+    "prefill.trtllm_fmha_v2_prefill": _sig_trtllm_fmha_v2_prefill,
+}
+"""Qualified real name -> stub with the real parameter list."""
+
+
+def _bind(name: str, args: tuple[Any, ...], kwargs: dict[str, Any]) -> dict[str, Any]:
+    """Bind a call to the real signature (TypeError on a wrong name), defaults filled in."""
+    bound = inspect.signature(SIGNATURES[name]).bind(*args, **kwargs)
+    bound.apply_defaults()
+    arguments = dict(bound.arguments)
+    arguments.pop("self", None)
+    return arguments
+
+
+@dataclass(frozen=True)
+class Call:
+    """One recorded call: the real qualified name and its arguments by parameter name."""
+
+    name: str
+    args: dict[str, Any]
+
+
+def _dtype(value: str | torch.dtype) -> torch.dtype:
+    """flashinfer's ``canonicalize_torch_dtype``."""
+    if isinstance(value, torch.dtype):
+        return value
+    dtype = getattr(torch, value)
+    assert isinstance(dtype, torch.dtype)
+    return dtype
+
+
+def _check_loads(kernel: str, *tensors: torch.Tensor) -> None:
+    """Unit last-dim stride, 16-byte aligned base and strides: what 128-bit and TMA loads need."""
+    for t in tensors:
+        if t.stride(-1) != 1:
+            raise RuntimeError(f"{kernel}: last dimension must be contiguous")
+        size = t.element_size()
+        strides = [s * size for s, n in zip(t.stride()[:-1], t.shape[:-1], strict=True) if n > 1]
+        if t.data_ptr() % ALIGN or any(s % ALIGN for s in strides):
+            raise RuntimeError(
+                f"{kernel}: base or strides not {ALIGN}-byte aligned; the kernel's vector/TMA "
+                "loads would read the wrong bytes"
+            )
+
+
+def rope_llama(x: torch.Tensor, theta: float, scale: float) -> torch.Tensor:
+    """flashinfer's ROPE_LLAMA on one request ``[L, H, D]`` (float32): rotate-half over the
+    whole head, frequency ``theta ** (-2i / D) / scale``, positions from 0."""
+    d = x.shape[-1]
+    half = d // 2
+    freq = theta ** (-2.0 * torch.arange(half, dtype=torch.float64) / d) / scale
+    angle = torch.arange(x.shape[0], dtype=torch.float64)[:, None] * freq[None, :]
+    cos = angle.cos().to(torch.float32)[:, None, :]
+    sin = angle.sin().to(torch.float32)[:, None, :]
+    x1, x2 = x[..., :half], x[..., half:]
+    return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)
+
+
+def attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    cu: list[int],
+    scale: float,
+    causal: bool,
+    out: torch.Tensor,
+    rope: tuple[float, float] | None = None,
+) -> None:
+    """Float32 ragged self-attention written into ``out`` (rows no request covers untouched)."""
+    hq, hk = q.shape[1], k.shape[1]
+    for start, end in itertools.pairwise(cu):
+        if end == start:
+            continue
+        qs = q[start:end].to(torch.float32)
+        ks = k[start:end].to(torch.float32)
+        if rope is not None:
+            qs, ks = rope_llama(qs, *rope), rope_llama(ks, *rope)
+        ks = ks.repeat_interleave(hq // hk, dim=1)
+        vs = v[start:end].to(torch.float32).repeat_interleave(hq // hk, dim=1)
+        scores = torch.einsum("qhd,khd->hqk", qs, ks) * scale
+        if causal:
+            n = end - start
+            upper = torch.ones(n, n, dtype=torch.bool).triu(1)
+            scores = scores.masked_fill(upper, float("-inf"))
+        out[start:end] = torch.einsum("hqk,khd->qhd", torch.softmax(scores, dim=-1), vs).to(
+            out.dtype
+        )
+
+
+def _host(t: torch.Tensor, name: str) -> list[int]:
+    if not isinstance(t, torch.Tensor) or t.dim() != 1 or t.dtype not in (torch.int32, torch.int64):
+        raise ValueError(f"{name} must be a 1-D int32/int64 tensor")
+    return [int(x) for x in t.tolist()]
+
+
+class _FakeRaggedWrapper:
+    """``BatchPrefillWithRaggedKVCacheWrapper`` over CPU tensors (NHD, fa2/fa3 only)."""
+
+    _fake: FakeFlashinfer
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        a = _bind("BatchPrefillWithRaggedKVCacheWrapper.__init__", (self, *args), kwargs)
+        self._fake.calls.append(Call("BatchPrefillWithRaggedKVCacheWrapper.__init__", a))
+        workspace = a["float_workspace_buffer"]
+        if not isinstance(workspace, torch.Tensor) or workspace.dtype != torch.uint8:
+            raise TypeError("float_workspace_buffer must be a uint8 tensor")
+        if a["kv_layout"] != "NHD" or a["backend"] not in SERVED_BACKENDS:
+            raise NotImplementedError("the fake serves kv_layout NHD with backend auto/fa2/fa3")
+        if a["use_cuda_graph"] or a["jit_args"] is not None or a["custom_mask_buf"] is not None:
+            raise NotImplementedError("the fake serves no CUDA graphs, JIT variants or masks")
+        self._backend: str = a["backend"]
+        self._plan: dict[str, Any] | None = None
+
+    def plan(self, *args: Any, **kwargs: Any) -> None:
+        a = _bind("BatchPrefillWithRaggedKVCacheWrapper.plan", (self, *args), kwargs)
+        self._fake.calls.append(Call("BatchPrefillWithRaggedKVCacheWrapper.plan", a))
+        qo = _host(a["qo_indptr"], "qo_indptr")
+        kv = _host(a["kv_indptr"], "kv_indptr")
+        if a["qo_indptr"].dtype != a["kv_indptr"].dtype:
+            raise ValueError("qo_indptr and kv_indptr must share a dtype (the module's IdType)")
+        if qo != kv:
+            raise NotImplementedError("the fake serves self-attention (qo_indptr == kv_indptr)")
+        if a["pos_encoding_mode"] not in POS_ENCODINGS:
+            raise KeyError(a["pos_encoding_mode"])
+        if a["pos_encoding_mode"] == "ALIBI" or a["custom_mask"] is not None:
+            raise NotImplementedError("the fake serves no ALiBi or custom mask")
+        if a["window_left"] >= 0 or (a["logits_soft_cap"] or 0.0) > 0:
+            raise NotImplementedError("the fake serves no sliding window or soft cap")
+        if a["num_qo_heads"] % a["num_kv_heads"]:
+            raise ValueError("num_qo_heads must be a multiple of num_kv_heads")
+        if self._backend == "auto":
+            self._backend = "fa2"  # the fake knows no device; auto is sticky, as in flashinfer
+        q_dtype = _dtype(a["q_data_type"])
+        kv_dtype = _dtype(a["kv_data_type"]) if a["kv_data_type"] is not None else q_dtype
+        o_dtype = _dtype(a["o_data_type"]) if a["o_data_type"] is not None else q_dtype
+        self._plan = {**a, "cu": qo, "q_dtype": q_dtype, "kv_dtype": kv_dtype, "o_dtype": o_dtype}
+
+    def run(self, *args: Any, **kwargs: Any) -> torch.Tensor:
+        a = _bind("BatchPrefillWithRaggedKVCacheWrapper.run", (self, *args), kwargs)
+        self._fake.calls.append(Call("BatchPrefillWithRaggedKVCacheWrapper.run", a))
+        plan = self._plan
+        if plan is None:
+            raise RuntimeError("run() before plan()")
+        q, k, v = a["q"], a["k"], a["v"]
+        if a["args"] or a["return_lse"] or a["lse"] is not None or a["kv_cache_sf"] is not None:
+            raise NotImplementedError("the fake serves plain 16-bit runs without LSE")
+        if q.dtype != plan["q_dtype"] or k.dtype != plan["kv_dtype"]:
+            raise ValueError(
+                f"The dtype of q {q.dtype} does not match the q_data_type {plan['q_dtype']} "
+                "specified in plan function."
+            )
+        if q.size(0) != plan["cu"][-1]:
+            raise ValueError(f"q.shape[0] ({q.size(0)}) does not match qo_indptr[-1]")
+        if (q.size(1), k.size(1), v.size(1)) != (
+            plan["num_qo_heads"],
+            plan["num_kv_heads"],
+            plan["num_kv_heads"],
+        ):
+            raise ValueError("head counts differ from the plan")
+        head_dim_vo = plan["head_dim_vo"] or plan["head_dim_qk"]
+        if q.size(2) != plan["head_dim_qk"] or v.size(2) != head_dim_vo:
+            raise ValueError("head dims differ from the plan")
+        _check_loads(self._backend, q, k, v)
+        shape = (*q.shape[:-1], head_dim_vo)
+        out: torch.Tensor | None = a["out"]
+        if out is None:
+            out = torch.empty(shape, dtype=plan["o_dtype"], device=q.device)
+        elif tuple(out.shape) != shape or out.dtype != plan["o_dtype"] or out.device != q.device:
+            raise ValueError(f"Invalid out: expected {shape} {plan['o_dtype']} on {q.device}")
+        elif not out.is_contiguous():
+            raise RuntimeError("out must be dense: the kernel writes it with strides from shape")
+        out.fill_(float("nan"))
+        rope = None
+        if plan["pos_encoding_mode"] == "ROPE_LLAMA" and self._backend == "fa2":  # fa3: ignored
+            scale = plan["rope_scale"] if plan["rope_scale"] is not None else 1.0
+            theta = plan["rope_theta"] if plan["rope_theta"] is not None else 1e4
+            rope = (theta, scale)
+        sm_scale = plan["sm_scale"]
+        if sm_scale is None:
+            sm_scale = 1.0 / math.sqrt(q.size(-1))
+        attention(q, k, v, plan["cu"], sm_scale, plan["causal"], out, rope)
+        return out
+
+
+def _trtllm_fmha_v2_prefill(fake: FakeFlashinfer, *args: Any, **kwargs: Any) -> torch.Tensor:
+    a = _bind("prefill.trtllm_fmha_v2_prefill", args, kwargs)
+    fake.calls.append(Call("prefill.trtllm_fmha_v2_prefill", a))
+    if a["input_layout"] != "PACKED_QKV":
+        raise NotImplementedError("the fake serves the PACKED_QKV layout")
+    qkv = a["qkv"]
+    if not isinstance(qkv, torch.Tensor) or qkv.dim() != 4 or qkv.shape[1] != 3:
+        raise ValueError("PACKED_QKV expects shape [tokens, 3, num_heads, head_dim]")
+    if not qkv.is_contiguous():
+        raise RuntimeError("PACKED_QKV strides come from the shapes: a strided qkv is read wrongly")
+    _check_loads("fmha_v2", qkv)
+    for name in ("block_tables", "sinks", "pos_encoding_mode", "logits_soft_cap_scale"):
+        if a[name] is not None:
+            raise NotImplementedError(f"the fake serves no {name}")
+    if a["window_left"] != -1 or a["chunked_attention_size"] or a["save_softmax_stats"]:
+        raise NotImplementedError("the fake serves no window, chunking or softmax stats")
+    if a["skip_softmax_threshold_scale_factor"] or a["mask_mode"].lower() == "custom":
+        raise NotImplementedError("the fake serves no skip-softmax or custom mask")
+    batch = a["batch_size"]
+    cu_q, cu_kv, seq_lens = a["cum_seq_lens_q"], a["cum_seq_lens_kv"], a["seq_lens"]
+    for name, t, n in (
+        ("cum_seq_lens_q", cu_q, batch + 1),
+        ("cum_seq_lens_kv", cu_kv, batch + 1),
+        ("seq_lens", seq_lens, batch),
+    ):
+        if t.dtype != torch.int32 or t.dim() != 1 or t.numel() != n or t.device != qkv.device:
+            raise RuntimeError(f"{name} must be int32 [{n}] on the qkv device (read as int*)")
+    cu = [int(x) for x in cu_q.tolist()]
+    if cu != [int(x) for x in cu_kv.tolist()] or cu[-1] > qkv.shape[0]:
+        raise RuntimeError("PACKED_QKV needs equal q/kv offsets within the tokens")
+    longest = max(b - a_ for a_, b in itertools.pairwise(cu))
+    if a["max_q_len"] != a["max_kv_len"] or a["max_q_len"] < longest:
+        raise RuntimeError("max_q_len must equal max_kv_len and cover the longest sequence")
+    causal = a["mask_mode"].lower() != "padding"  # string_to_mask_type defaults to causal
+    out: torch.Tensor | None = a["out"]
+    shape = (qkv.shape[0], qkv.shape[2], qkv.shape[3])
+    if out is None:
+        dtype = _dtype(a["out_dtype"]) if a["out_dtype"] is not None else qkv.dtype
+        out = torch.empty(shape, dtype=dtype, device=qkv.device)
+    elif tuple(out.shape) != shape or not out.is_contiguous():
+        raise RuntimeError(f"out must be a dense {shape} tensor")
+    out.fill_(float("nan"))
+    q, k, v = qkv.unbind(1)
+    attention(q, k, v, cu, a["bmm1_scale"], causal, out)
+    out.mul_(a["bmm2_scale"])
+    return out
+
+
+@dataclass
+class FakeFlashinfer:
+    """One installed fake library: its modules and every call made to it, in order."""
+
+    calls: list[Call] = field(default_factory=list)
+
+    def named(self, name: str) -> list[Call]:
+        """The recorded calls of one function (``BatchPrefillWithRaggedKVCacheWrapper.plan``)."""
+        return [c for c in self.calls if c.name == name]
+
+    def modules(self) -> tuple[types.ModuleType, types.ModuleType]:
+        wrapper = type(
+            "BatchPrefillWithRaggedKVCacheWrapper", (_FakeRaggedWrapper,), {"_fake": self}
+        )
+        prefill = types.ModuleType("flashinfer.prefill")
+        prefill.BatchPrefillWithRaggedKVCacheWrapper = wrapper  # type: ignore[attr-defined]
+
+        def trtllm_fmha_v2_prefill(*args: Any, **kwargs: Any) -> torch.Tensor:
+            return _trtllm_fmha_v2_prefill(self, *args, **kwargs)
+
+        prefill.trtllm_fmha_v2_prefill = trtllm_fmha_v2_prefill  # type: ignore[attr-defined]
+        root = types.ModuleType("flashinfer")
+        root.__version__ = FLASHINFER_VERSION  # type: ignore[attr-defined]
+        root.BatchPrefillWithRaggedKVCacheWrapper = wrapper  # type: ignore[attr-defined]
+        root.prefill = prefill  # type: ignore[attr-defined]
+        return root, prefill
+
+
+def install(monkeypatch: pytest.MonkeyPatch) -> FakeFlashinfer:
+    """Put a fresh fake at ``sys.modules["flashinfer"]`` for one test; monkeypatch undoes it."""
+    fake = FakeFlashinfer()
+    root, prefill = fake.modules()
+    monkeypatch.setitem(sys.modules, "flashinfer", root)
+    monkeypatch.setitem(sys.modules, "flashinfer.prefill", prefill)
+    return fake

@@ -1,0 +1,143 @@
+"""Many threads at once: one decision per request, and no lost or torn registry edit."""
+
+from __future__ import annotations
+
+import sys
+import threading
+from collections.abc import Callable, Iterator
+
+import pytest
+import torch
+from attn_backends_builtin import torch_sdpa
+
+import attn_backends as ab
+
+SPEC = ab.AttentionSpec(4, 2, 32, torch.float32, causal=True)
+THREADS = 16
+
+
+@pytest.fixture(autouse=True)
+def _busy_switching(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
+    """Switch threads as often as possible, so unlocked read-modify-write races show up."""
+    for var in ("ATTN_BACKEND", "ATTN_BACKENDS_PLUGINS", "ATTN_BACKENDS_DISABLE"):
+        monkeypatch.delenv(var, raising=False)
+    before = sys.getswitchinterval()
+    sys.setswitchinterval(1e-6)
+    yield
+    sys.setswitchinterval(before)
+
+
+def _in_threads(count: int, work: Callable[[int], object]) -> list[object]:
+    """Run ``work(i)`` in ``count`` threads released together; re-raise the first error."""
+    barrier = threading.Barrier(count)
+    results: list[object] = [None] * count
+    errors: list[BaseException] = []
+
+    def run(i: int) -> None:
+        barrier.wait()
+        try:
+            results[i] = work(i)
+        except BaseException as exc:
+            errors.append(exc)
+
+    threads = [threading.Thread(target=run, args=(i,)) for i in range(count)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=60)
+    assert not any(t.is_alive() for t in threads), "a thread is stuck"
+    if errors:
+        raise errors[0]
+    return results
+
+
+class _Counting(torch_sdpa.TorchSdpaBackend):
+    """torch-sdpa that counts ``prepare`` calls across all its bound instances."""
+
+    name = "counting"
+    capabilities = ab.Capabilities(
+        platforms=frozenset({"cpu"}),
+        dtypes=frozenset({torch.float32}),
+        priority=(ab.PriorityRule("cpu", 300),),
+    )
+    prepared = 0
+    lock = threading.Lock()
+
+    def prepare(self, params: ab.FMHAParams) -> ab.PrefillPlan:
+        with _Counting.lock:
+            _Counting.prepared += 1
+        return super().prepare(params)
+
+
+class _Plugin:
+    def __init__(self, *backends: ab.NoCachePrefill) -> None:
+        self.backends = backends
+
+    @ab.hookimpl
+    def attn_backends_register(self, host_api_version: str) -> ab.PluginManifest:
+        return ab.PluginManifest(api_version="1.0", backends=list(self.backends))
+
+
+def _renamed(name: str) -> ab.NoCachePrefill:
+    cls = type(f"Backend_{name}", (torch_sdpa.TorchSdpaBackend,), {"name": name})
+    backend: ab.NoCachePrefill = cls()
+    return backend
+
+
+def test_concurrent_select_gives_one_decision_and_one_canary() -> None:
+    reg = ab.Registry()
+    reg.register_plugin(torch_sdpa, name="torch-sdpa")
+    reg.register_plugin(_Plugin(_Counting()), name="counting")
+    ab.clear_selection_cache()
+    _Counting.prepared = 0
+    results = _in_threads(
+        THREADS, lambda _: ab.select(SPEC, device="cpu", strict=True, registry=reg)
+    )
+    first = results[0]
+    assert isinstance(first, ab.Selection)
+    assert first.name == "counting"
+    assert first.canary.status == "passed"
+    assert all(r is first for r in results), "threads got different Selection objects"
+    assert _Counting.prepared == 1, "the strict canary ran more than once"
+
+
+def test_concurrent_registrations_are_neither_lost_nor_torn() -> None:
+    reg = ab.Registry()
+    reg.register_plugin(torch_sdpa, name="torch-sdpa")
+    per_thread = 6
+    writers = THREADS // 2
+
+    def work(i: int) -> list[ab.Selection]:
+        if i < writers:
+            for j in range(per_thread):
+                record = reg.register_plugin(_Plugin(_renamed(f"b{i}-{j}")), name=f"p{i}-{j}")
+                assert record.status == "loaded"
+            return []
+        return [ab.select(SPEC, platform="cpu", registry=reg) for _ in range(per_thread)]
+
+    results = _in_threads(THREADS, work)
+    entries = reg.entries()
+    assert len(entries) == 1 + writers * per_thread
+    assert sorted(e.order for e in entries) == list(range(len(entries))), "lost an order slot"
+    assert len(reg.records()) == 1 + writers * per_thread
+    for selections in results:
+        assert isinstance(selections, list)
+        for sel in selections:
+            # each decision saw one consistent snapshot: a candidate per loaded backend
+            assert len(sel.candidates) == sum(len(p.backends) for p in sel.plugins)
+
+
+def test_racing_for_one_backend_name_leaves_exactly_one_owner() -> None:
+    reg = ab.Registry()
+    results = _in_threads(
+        THREADS, lambda i: reg.register_plugin(_Plugin(_renamed("racer")), name=f"racer-{i}")
+    )
+    records = [r for r in results if isinstance(r, ab.PluginRecord)]
+    loaded = [r for r in records if r.status == "loaded"]
+    assert len(loaded) == 1
+    owner = reg.get("racer")
+    assert owner is not None
+    assert owner.plugin == loaded[0].name
+    refused = [r for r in records if r.status == "failed"]
+    assert len(refused) == THREADS - 1
+    assert all(f"taken by plugin {owner.plugin}" in (r.error or "") for r in refused)

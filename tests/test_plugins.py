@@ -1,0 +1,333 @@
+"""Third-party plugins for real: discovery through installed metadata, the versioned API, the
+environment's allow/block lists, registering versus being chosen, and strict start-up mode."""
+
+from __future__ import annotations
+
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+import torch
+from attn_backends_builtin import torch_sdpa
+
+import attn_backends as ab
+from attn_backends import testing
+from tests.plugin_site import PluginSite, open_site
+
+EXAMPLE = Path(__file__).resolve().parents[1] / "plugins" / "example-backend"
+EXAMPLE_DIST = ("attn-backends-example", "0.1.0")
+EXAMPLE_ENTRY_POINTS = {"example-matmul": "attn_backends_example.plugin"}
+SPEC = ab.AttentionSpec(8, 2, 64, torch.float16, causal=True, rope=ab.RopeSpec(1e4))
+ENV_VARS = (
+    "ATTN_BACKEND",
+    "ATTN_BACKENDS_PLUGINS",
+    "ATTN_BACKENDS_DISABLE",
+    "ATTN_BACKENDS_STRICT",
+)
+
+
+@pytest.fixture(autouse=True)
+def _clean_env(monkeypatch: pytest.MonkeyPatch) -> None:
+    for var in ENV_VARS:
+        monkeypatch.delenv(var, raising=False)
+
+
+@pytest.fixture
+def site(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[PluginSite]:
+    yield from open_site(tmp_path, monkeypatch)
+
+
+@pytest.fixture
+def example_site(site: PluginSite, monkeypatch: pytest.MonkeyPatch) -> PluginSite:
+    """The example distribution 'installed': its package importable, its metadata on the path."""
+    monkeypatch.syspath_prepend(str(EXAMPLE))
+    name, version = EXAMPLE_DIST
+    site.add_dist(name, EXAMPLE_ENTRY_POINTS, version)
+    return site
+
+
+def test_the_site_metadata_matches_the_example_pyproject() -> None:
+    text = (EXAMPLE / "pyproject.toml").read_text()
+    name, version = EXAMPLE_DIST
+    assert f'name = "{name}"\nversion = "{version}"\n' in text
+    lines = "".join(f'{k} = "{v}"\n' for k, v in EXAMPLE_ENTRY_POINTS.items())
+    assert f"[project.entry-points.attn_backends]\n{lines}" in text
+
+
+def _sdpa_registry() -> ab.Registry:
+    reg = ab.Registry()
+    reg.register_plugin(torch_sdpa, name="torch-sdpa")
+    return reg
+
+
+def _record(reg: ab.Registry, name: str) -> ab.PluginRecord:
+    return next(r for r in reg.records() if r.name == name)
+
+
+def _candidate(sel: ab.Selection, name: str) -> ab.Candidate:
+    return next(c for c in sel.candidates if c.name == name)
+
+
+def test_example_distribution_is_discovered_through_its_metadata(example_site: PluginSite) -> None:
+    reg = ab.Registry()
+    records = reg.load_entry_points()
+    rec = _record(reg, "example-matmul")
+    assert rec in records
+    assert rec.status == "loaded"
+    assert rec.backends == ("example-matmul",)
+    assert "attn_backends_example.plugin (attn-backends-example 0.1.0)" in rec.source
+    entry = reg.get("example-matmul")
+    assert entry is not None
+    assert entry.plugin == "example-matmul"
+    assert _record(reg, "torch-sdpa").status == "loaded"
+
+
+def test_without_the_metadata_the_example_is_not_found(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.syspath_prepend(str(EXAMPLE))  # importable, but not installed: no entry point
+    reg = ab.Registry()
+    reg.load_entry_points()
+    assert reg.get("example-matmul") is None
+    assert reg.get("torch-sdpa") is not None
+
+
+def test_installing_a_plugin_never_changes_the_default_choice(example_site: PluginSite) -> None:
+    with_example = ab.Registry()
+    with_example.load_entry_points()
+    without = ab.Registry()  # the same installation, minus the example
+    without.load_entry_points(policy=ab.PluginPolicy(disable=frozenset({"example-matmul"})))
+    assert without.get("example-matmul") is None
+    for platform in ("cpu", "cuda:sm90", "rocm:gfx942"):
+        chosen = ab.select(SPEC, platform=platform, registry=with_example)
+        baseline = ab.select(SPEC, platform=platform, registry=without)
+        assert chosen.name != "example-matmul"
+        assert chosen.fingerprint() == baseline.fingerprint()
+        cand = _candidate(chosen, "example-matmul")
+        assert cand.verdict == "not ranked"
+        assert [r.code for r in cand.reasons] == [ab.ReasonCode.NOT_RANKED]
+        assert "example-matmul (plugin example-matmul)" in chosen.explain()
+        assert "chosen only when named explicitly" in chosen.explain()
+
+
+def test_explicit_choice_runs_the_example_against_the_reference(example_site: PluginSite) -> None:
+    reg = ab.Registry()
+    reg.load_entry_points()
+    sel = ab.select(SPEC, backend="example-matmul", device="cpu", registry=reg)
+    assert sel.name == "example-matmul"
+    assert sel.source == "explicit"
+    params = ab.FMHAParams.from_lengths([7, 1, 20], device="cpu", padded_rows=30)
+    qkv = torch.randn(30, SPEC.qkv_width, generator=torch.Generator().manual_seed(3)).half()
+    ref = ab.reference_attention(qkv, SPEC, params)
+    out = sel.backend.forward(qkv, sel.backend.prepare(params))
+    assert ab.relative_error(out, ref) < ab.TOLERANCE[torch.float16]
+
+
+def test_example_passes_the_conformance_suite(example_site: PluginSite) -> None:
+    reg = ab.Registry()
+    reg.load_entry_points()
+    entry = reg.get("example-matmul")
+    assert entry is not None
+    cases = testing.conformance_cases(entry.backend.capabilities)
+    assert len(cases) >= 20
+    for case in cases:
+        err = testing.run_case("example-matmul", case, "cpu", registry=reg)
+        assert err < ab.TOLERANCE[case.spec.dtype], case.id
+
+
+def test_incompatible_major_version_is_refused_naming_both(site: PluginSite) -> None:
+    template = """
+        from attn_backends import PluginManifest, hookimpl
+        from attn_backends_builtin.torch_sdpa import TorchSdpaBackend
+
+        class Renamed(TorchSdpaBackend):
+            name = "{name}"
+
+        @hookimpl
+        def attn_backends_register(host_api_version):
+            return PluginManifest(api_version="{version}", backends=[Renamed()])
+    """
+    site.add_module("future_api_plugin", template.format(name="future", version="2.0"))
+    site.add_module("minor_api_plugin", template.format(name="minor", version="1.9"))
+    site.add_dist(
+        "vendor-api",
+        {"future": "future_api_plugin", "minor": "minor_api_plugin"},
+    )
+    reg = ab.Registry()
+    reg.load_entry_points()
+    future = _record(reg, "future")
+    assert future.status == "incompatible"
+    assert future.error is not None
+    assert "2.0" in future.error
+    assert ab.PLUGIN_API_VERSION in future.error
+    assert reg.get("future") is None
+    assert _record(reg, "minor").status == "loaded"  # same major version: accepted
+    sel = ab.select(SPEC, platform="cpu", registry=reg)
+    assert "future: incompatible: built for plugin API 2.0" in sel.explain()
+    plugins = sel.to_dict()["plugins"]
+    assert isinstance(plugins, list)
+    assert {"name": "future", "status": "incompatible"} in [
+        {"name": p["name"], "status": p["status"]} for p in plugins
+    ]
+
+
+def test_allow_list_loads_only_the_named_plugins(
+    example_site: PluginSite, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    example_site.add_module("tracer_plugin", "import sys\nsys.modules['tracer_imported'] = sys\n")
+    example_site.add_dist("vendor-tracer", {"tracer": "tracer_plugin"})
+    monkeypatch.setenv("ATTN_BACKENDS_PLUGINS", " torch-sdpa, example-matmul ")
+    reg = ab.Registry()
+    reg.load_entry_points()
+    assert _record(reg, "torch-sdpa").status == "loaded"
+    assert _record(reg, "example-matmul").status == "loaded"
+    tracer = _record(reg, "tracer")
+    assert tracer.status == "disabled"
+    assert tracer.error == (
+        "plugin 'tracer' is not in $ATTN_BACKENDS_PLUGINS=example-matmul,torch-sdpa"
+    )
+    assert "tracer_imported" not in sys.modules, "a plugin outside the allow list was imported"
+    sel = ab.select(SPEC, platform="cpu", registry=reg)
+    assert sel.to_dict()["policy"] == {
+        "ATTN_BACKENDS_PLUGINS": ["example-matmul", "torch-sdpa"],
+        "ATTN_BACKENDS_DISABLE": [],
+    }
+    text = sel.explain()
+    assert "plugin policy: $ATTN_BACKENDS_PLUGINS=example-matmul,torch-sdpa" in text
+    assert "plugins disabled:\n" in text
+    assert "\n  tracer: plugin 'tracer' is not in $ATTN_BACKENDS_PLUGINS" in text
+    with pytest.raises(ab.NoBackendError, match=r"plugins not loaded: .*tracer \(disabled"):
+        ab.select(SPEC, backend="tracer", platform="cpu", registry=reg)
+
+
+def test_disable_list_blocks_a_plugin_at_load(
+    example_site: PluginSite, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv("ATTN_BACKENDS_DISABLE", "example-matmul")
+    sys.modules.pop("attn_backends_example.plugin", None)
+    reg = ab.Registry()
+    reg.load_entry_points()
+    rec = _record(reg, "example-matmul")
+    assert rec.status == "disabled"
+    assert rec.error == "plugin 'example-matmul' is listed in $ATTN_BACKENDS_DISABLE"
+    assert "attn_backends_example.plugin" not in sys.modules
+    assert reg.get("example-matmul") is None
+
+
+class _Plugin:
+    """An in-process plugin object, registered with `Registry.register_plugin`."""
+
+    def __init__(self, *backends: ab.NoCachePrefill) -> None:
+        self.backends = backends
+
+    @ab.hookimpl
+    def attn_backends_register(self, host_api_version: str) -> ab.PluginManifest:
+        return ab.PluginManifest(api_version="1.0", backends=list(self.backends))
+
+
+class _SecondChoice(torch_sdpa.TorchSdpaBackend):
+    name = "second-choice"
+    capabilities = ab.Capabilities(
+        platforms=frozenset({"cpu"}),
+        dtypes=frozenset({torch.float16, torch.float32}),
+        priority=(ab.PriorityRule("cpu", 10, note="test fallback"),),
+    )
+
+
+def test_disabled_backend_is_a_rejected_candidate_and_env_keys_the_cache(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    reg = _sdpa_registry()
+    reg.register_plugin(_Plugin(_SecondChoice()), name="vendor")
+    assert ab.select(SPEC, platform="cpu", registry=reg).name == "torch-sdpa"
+    monkeypatch.setenv("ATTN_BACKENDS_DISABLE", "torch-sdpa")
+    sel = ab.select(SPEC, platform="cpu", registry=reg)  # same registry, same cache
+    assert sel.name == "second-choice"
+    cand = _candidate(sel, "torch-sdpa")
+    assert cand.verdict == "rejected"
+    assert [r.code for r in cand.reasons] == [ab.ReasonCode.DISABLED]
+    assert "rejected  torch-sdpa" in sel.explain()
+    assert "[disabled] backend 'torch-sdpa' is listed in $ATTN_BACKENDS_DISABLE" in sel.explain()
+    assert sel.to_dict()["policy"] == {
+        "ATTN_BACKENDS_PLUGINS": None,
+        "ATTN_BACKENDS_DISABLE": ["torch-sdpa"],
+    }
+    with pytest.raises(ab.NoBackendError, match=r"\[disabled\]") as info:
+        ab.select(SPEC, backend="torch-sdpa", platform="cpu", registry=reg)
+    assert info.value.reasons[0][1][0].code == ab.ReasonCode.DISABLED
+    monkeypatch.setenv("ATTN_BACKENDS_DISABLE", "vendor")  # a plugin name disables its backends
+    assert ab.select(SPEC, platform="cpu", registry=reg).name == "torch-sdpa"
+    monkeypatch.setenv("ATTN_BACKENDS_PLUGINS", "vendor")
+    monkeypatch.delenv("ATTN_BACKENDS_DISABLE")
+    assert ab.select(SPEC, platform="cpu", registry=reg).name == "second-choice"
+
+
+def test_policy_parsing() -> None:
+    policy = ab.PluginPolicy.from_env(
+        {"ATTN_BACKENDS_PLUGINS": " a ,, b ", "ATTN_BACKENDS_DISABLE": "c,"}
+    )
+    assert policy.allow == frozenset({"a", "b"})
+    assert policy.disable == frozenset({"c"})
+    assert ab.PluginPolicy.from_env({"ATTN_BACKENDS_PLUGINS": "  "}).allow is None
+    assert policy.plugin_refusal("a") is None
+    assert policy.backend_refusal("c", "a") == "backend 'c' is listed in $ATTN_BACKENDS_DISABLE"
+    assert policy.backend_refusal("x", "z") == "plugin 'z' is not in $ATTN_BACKENDS_PLUGINS=a,b"
+
+
+def test_strict_mode_runs_a_canary_that_touches_nothing_shared() -> None:
+    reg = _sdpa_registry()
+    entry = reg.get("torch-sdpa")
+    assert entry is not None
+    rng = torch.get_rng_state()
+    sel = ab.select(SPEC, device="cpu", strict=True, registry=reg)
+    assert torch.equal(torch.get_rng_state(), rng), "the canary used the global generator"
+    assert entry.backend.spec is None, "the registered instance was bound"
+    assert sel.strict
+    assert sel.canary.status == "passed"
+    assert sel.canary.relative_error is not None
+    assert sel.canary.relative_error < ab.TOLERANCE[torch.float16]
+    assert "strict: on; canary passed on cpu" in sel.explain()
+    assert sel.to_dict()["canary"] == sel.canary.to_dict()
+    relaxed = ab.select(SPEC, device="cpu", registry=reg)
+    assert relaxed.canary.status == "off"
+    assert relaxed.fingerprint() == sel.fingerprint()
+
+
+def test_strict_mode_from_the_environment(monkeypatch: pytest.MonkeyPatch) -> None:
+    reg = _sdpa_registry()
+    monkeypatch.setenv("ATTN_BACKENDS_STRICT", "1")
+    assert ab.select(SPEC, device="cpu", registry=reg).canary.status == "passed"
+    assert ab.select(SPEC, device="cpu", registry=reg, strict=False).canary.status == "off"
+    monkeypatch.setenv("ATTN_BACKENDS_STRICT", "off")
+    assert ab.select(SPEC, device="cpu", registry=reg).canary.status == "off"
+
+
+def test_strict_mode_skips_the_canary_on_a_dry_run_platform() -> None:
+    sel = ab.select(SPEC, platform="cuda:sm90", strict=True, registry=_sdpa_registry())
+    assert sel.canary.status == "skipped"
+    assert "canary skipped: cuda:sm90 is a dry-run platform" in sel.explain()
+
+
+def test_strict_canary_for_fp8_specs_uses_the_request_dtype() -> None:
+    spec = ab.AttentionSpec(4, 4, 32, torch.float8_e4m3fn, causal=False)
+    reg = _sdpa_registry()
+    reg.register_plugin(_Plugin(_Fp8Sdpa()), name="fp8")
+    sel = ab.select(spec, backend="fp8-sdpa", device="cpu", strict=True, registry=reg)
+    assert sel.canary.status == "passed", sel.canary.detail
+    assert "float8_e4m3fn" in sel.canary.detail
+
+
+class _Fp8Sdpa(torch_sdpa.TorchSdpaBackend):
+    """torch-sdpa taught FP8 by dequantising the views: enough to exercise an FP8 canary."""
+
+    name = "fp8-sdpa"
+    capabilities = ab.Capabilities(
+        platforms=frozenset({"cpu"}), dtypes=frozenset({torch.float8_e4m3fn})
+    )
+
+    def attend(self, views: ab.QKVViews, plan: ab.PrefillPlan) -> torch.Tensor:
+        scales = views.fp8_scales
+        assert scales is not None
+        q = views.q.to(torch.float32) * scales.q
+        k = views.k.to(torch.float32) * scales.k
+        v = views.v.to(torch.float32) * scales.v
+        return super().attend(ab.QKVViews(views.packed, q, k, v, None), plan)
