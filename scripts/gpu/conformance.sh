@@ -2,8 +2,9 @@
 # Conformance of the CUDA backends on this GPU, with junit XML and a short summary.
 #
 #     . scripts/gpu/setup.sh && python3 scripts/gpu/prebuild.py   # once per machine
-#     scripts/gpu/conformance.sh OUT_DIR
+#     scripts/gpu/conformance.sh OUT_DIR [RUN...]
 #
+# RUN names default to every run: headwise torch-sdpa flashinfer flashinfer-rope trt gpu-tests.
 # Runs `pytest --attn-backend NAME` on cuda for torch-sdpa, flashinfer, flashinfer-rope, trt and
 # headwise, then the GPU tests of tests/gpu/test_nvidia_gpu.py and the check of the fake
 # flashinfer's signatures against the installed one. Writes OUT_DIR/<run>.xml, <run>.log and
@@ -11,7 +12,10 @@
 # The flashinfer runs go one after another (they share flashinfer's JIT cache); headwise, which
 # spends its time compiling FlexAttention kernels, runs beside them.
 set -u
-out=${1:?usage: scripts/gpu/conformance.sh OUT_DIR}
+out=${1:?usage: scripts/gpu/conformance.sh OUT_DIR [RUN...]}
+shift
+runs=" ${*:-headwise torch-sdpa flashinfer flashinfer-rope trt gpu-tests} "
+wanted() { [[ $runs == *" $1 "* ]]; }
 mkdir -p "$out"
 
 run() {
@@ -24,15 +28,20 @@ run() {
     echo "$name rc=$rc $((SECONDS - start))s" >>"$out/times.txt"
 }
 
-: >"$out/times.txt"
-run headwise --attn-backend headwise --attn-device cuda &
-headwise_pid=$!
+touch "$out/times.txt"
+headwise_pid=
+if wanted headwise; then
+    run headwise --attn-backend headwise --attn-device cuda &
+    headwise_pid=$!
+fi
 for backend in torch-sdpa flashinfer flashinfer-rope trt; do
-    run "$backend" --attn-backend "$backend" --attn-device cuda
+    wanted "$backend" && run "$backend" --attn-backend "$backend" --attn-device cuda
 done
-run gpu-tests tests/gpu/test_nvidia_gpu.py \
-    "tests/test_nvidia_backends.py::test_fake_signatures_match_real_flashinfer"
-wait "$headwise_pid"
+if wanted gpu-tests; then
+    run gpu-tests tests/gpu/test_nvidia_gpu.py tests/gpu/test_rope_kernel.py \
+        "tests/test_nvidia_backends.py::test_fake_signatures_match_real_flashinfer"
+fi
+[ -n "$headwise_pid" ] && wait "$headwise_pid"
 
 python3 - "$out" <<'EOF' | tee "$out/summary.txt"
 import collections
