@@ -11,14 +11,12 @@ from dataclasses import replace
 
 import torch
 
+from ._canary import run_canary
 from ._capabilities import check_platform
-from ._contract import Fp8Scales
 from ._dtypes import parse_dtype
 from ._errors import AttentionBackendError
-from ._params import FMHAParams
 from ._platform import Platform, detect_platform, parse_platform
 from ._presets import PRESETS
-from ._reference import TOLERANCE, reference_attention, relative_error
 from ._registry import get_registry
 from ._selector import Selection, select
 from ._spec import AttentionSpec, RopeSpec
@@ -174,42 +172,21 @@ def cmd_explain(args: argparse.Namespace) -> int:
     return 0
 
 
-CANARY_LENGTHS = (1, 7, 33, 64)
-
-
 def cmd_check(args: argparse.Namespace) -> int:
     if args.platform:
         raise SystemExit("error: check runs kernels on this machine; --platform is for explain")
     selection = _select_from_args(args)
-    spec = selection.spec
     device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
-    params = FMHAParams.from_lengths(CANARY_LENGTHS, device=device)
-    gen = torch.Generator().manual_seed(args.seed)
-    qkv = torch.randn(params.rows, spec.qkv_width, generator=gen).to(device, spec.dtype)
-    pristine = qkv.clone()
-    scales = None
-    if spec.is_fp8:
-        one = torch.ones((), dtype=torch.float32, device=device)
-        scales = Fp8Scales(one, one, one)
-    plan = selection.backend.prepare(params)
-    out = selection.backend.forward(qkv, plan, fp8_scales=scales)
-    err = relative_error(out, reference_attention(pristine, spec, params, fp8_scales=scales))
-    tol = TOLERANCE[spec.dtype]
-    ok = err < tol
-    result = {
-        "backend": selection.name,
-        "device": str(device),
-        "relative_error": err,
-        "tolerance": tol,
-        "ok": ok,
-    }
+    result = run_canary(selection.backend, selection.spec, device, seed=args.seed)
+    ok = result.status == "passed"
     if args.json:
-        print(json.dumps(result, indent=2))
-    else:
-        verdict = "OK" if ok else "MISMATCH"
         print(
-            f"{verdict}: {selection.name} on {device}: relative error {err:.3g} (tolerance {tol:g})"
+            json.dumps(
+                {"backend": selection.name, "device": str(device), **result.to_dict()}, indent=2
+            )
         )
+    else:
+        print(f"{'OK' if ok else 'MISMATCH'}: {selection.name}: {result.detail}")
     return 0 if ok else 1
 
 

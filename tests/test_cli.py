@@ -100,7 +100,12 @@ def test_list_shows_backends_and_capabilities(capsys):
 def test_check_passes_on_reference(capsys):
     code, out, _ = run(capsys, "check", "--preset", "short", "--logn-base", "16", "--device", "cpu")
     assert code == 0
-    assert out.startswith("OK: torch-sdpa on cpu: relative error")
+    assert out.startswith("OK: torch-sdpa: canary passed on cpu")
+    code, out, _ = run(capsys, "check", "--preset", "bert-base", "--device", "cpu", "--json")
+    data = json.loads(out)
+    assert code == 0
+    assert data["status"] == "passed"
+    assert data["relative_error"] < data["tolerance"]
 
 
 def test_check_refuses_dry_run(capsys):
