@@ -9,7 +9,8 @@ rank's decision fingerprint over `torch.distributed` (gloo, NCCL, any backend) a
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import json
+from dataclasses import asdict, dataclass
 
 import torch
 import torch.distributed as dist
@@ -53,17 +54,46 @@ def decision_of(selection: Selection) -> RankDecision:
     )
 
 
+def _collective_device(group: dist.ProcessGroup | None) -> torch.device:
+    """NCCL moves only CUDA tensors; every other backend here takes CPU tensors."""
+    if dist.get_backend(group) == "nccl":
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
+
+
+def _all_gather_bytes(payload: bytes, group: dist.ProcessGroup | None) -> list[bytes]:
+    """All-gather one byte string per rank with plain tensor collectives.
+
+    ``all_gather_object`` would do this too, but it needs NumPy to decode, which a serving image
+    need not have; the decisions are small JSON, so two tensor all-gathers suffice.
+    """
+    device = _collective_device(group)
+    world = dist.get_world_size(group)
+    data = torch.tensor(list(payload), dtype=torch.uint8, device=device)
+    size = torch.tensor([data.numel()], dtype=torch.int64, device=device)
+    sizes = [torch.zeros_like(size) for _ in range(world)]
+    dist.all_gather(sizes, size, group=group)
+    longest = max(int(s.item()) for s in sizes)
+    padded = torch.zeros(longest, dtype=torch.uint8, device=device)
+    padded[: data.numel()] = data
+    chunks = [torch.empty_like(padded) for _ in range(world)]
+    dist.all_gather(chunks, padded, group=group)
+    return [bytes(chunk[: int(n.item())].tolist()) for chunk, n in zip(chunks, sizes, strict=True)]
+
+
 def _gather(mine: RankDecision, group: dist.ProcessGroup | None) -> tuple[RankDecision, ...]:
     if not (dist.is_available() and dist.is_initialized()):
         return (mine,)
-    gathered: list[object] = [None] * dist.get_world_size(group)
-    dist.all_gather_object(gathered, mine, group=group)
-    decisions = [d for d in gathered if isinstance(d, RankDecision)]
-    if len(decisions) != len(gathered):
-        raise RankMismatchError(
-            "a rank sent something other than a RankDecision; run the same attn-backends "
-            "version on every rank"
-        )
+    payloads = _all_gather_bytes(json.dumps(asdict(mine)).encode(), group)
+    decisions = []
+    for payload in payloads:
+        try:
+            decisions.append(RankDecision(**json.loads(payload)))
+        except (ValueError, TypeError) as exc:
+            raise RankMismatchError(
+                f"a rank sent an unreadable decision ({exc}); run the same attn-backends "
+                "version on every rank"
+            ) from None
     return tuple(decisions)
 
 
