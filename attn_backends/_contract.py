@@ -15,6 +15,7 @@ Every backend's ``forward`` goes through `run_forward`, so the rules are enforce
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Literal, TypeAlias
@@ -44,11 +45,16 @@ tensors, or the dense packed ``[tokens, (Hq + 2*Hkv) * D]`` rows (copied only if
 
 @dataclass(frozen=True, eq=False)
 class Fp8Scales:
-    """Per-tensor dequantisation factors for FP8 packed input: ``real = stored * scale``."""
+    """Per-tensor dequantisation factors for FP8 packed input: ``real = stored * scale``.
 
-    q: torch.Tensor
-    k: torch.Tensor
-    v: torch.Tensor
+    Each is a one-element tensor on the QKV device or a Python float. Static (calibrated)
+    scales are best given as floats: kernels that take the scale on the host (aiter's FP8
+    varlen kernel) then need no device-to-host read per layer.
+    """
+
+    q: torch.Tensor | float
+    k: torch.Tensor | float
+    v: torch.Tensor | float
 
 
 @dataclass(frozen=True, eq=False)
@@ -146,10 +152,13 @@ def check_fp8_scales(spec: AttentionSpec, scales: Fp8Scales | None, device: torc
         raise _fail(f"fp8_scales for {dtype_name(spec.dtype)} input", "fp8_scales=None")
     if scales is not None:
         for name, t in (("q", scales.q), ("k", scales.k), ("v", scales.v)):
+            if isinstance(t, float) and math.isfinite(t) and t > 0:
+                continue
             if not isinstance(t, torch.Tensor) or t.numel() != 1 or t.device != device:
                 raise _fail(
-                    f"fp8_scales.{name} is not a one-element tensor on {device}",
-                    "per-tensor float32 scales on the QKV device",
+                    f"fp8_scales.{name} is neither a positive float nor a one-element tensor "
+                    f"on {device}",
+                    "per-tensor scales as Python floats or float32 tensors on the QKV device",
                 )
 
 

@@ -54,6 +54,7 @@ class Run:
         padding=7,
         strided=False,
         scales: tuple[float, float, float] | None = None,
+        host_scales=False,
         seed=0,
     ):
         self.spec = spec
@@ -68,7 +69,10 @@ class Run:
             bounds = (0, spec.q_width, spec.q_width + spec.kv_width, spec.qkv_width)
             for (lo, hi), s in zip(itertools.pairwise(bounds), scales, strict=True):
                 real[:, extra + lo : extra + hi] /= s
-            self.fp8_scales = ab.Fp8Scales(*(torch.tensor(s) for s in scales))
+            if host_scales:
+                self.fp8_scales = ab.Fp8Scales(*scales)
+            else:
+                self.fp8_scales = ab.Fp8Scales(*(torch.tensor(s) for s in scales))
         backing = real.to(spec.dtype)
         self.packed = backing[:, extra : extra + spec.qkv_width] if extra else backing
         self.pristine = self.packed.clone()
@@ -290,13 +294,14 @@ def test_nonasm_calls_the_ck_op_with_views_and_spec_flags(fake, spec):
     [("gfx942", GFX942, torch.float8_e4m3fnuz), ("gfx950", GFX950, torch.float8_e4m3fn)],
 )
 @pytest.mark.parametrize("causal", [True, False])
+@pytest.mark.parametrize("host_scales", [False, True], ids=["tensor-scales", "float-scales"])
 def test_fp8_goes_to_the_fp8_entry_point_with_descales_folded(
-    monkeypatch, gfx, platform, dtype, causal
+    monkeypatch, gfx, platform, dtype, causal, host_scales
 ):
     fake = install(monkeypatch, gfx)
     spec = spec_of(dtype, causal=causal)
     scales = (0.05, 0.2, 0.5)
-    run = Run("aiter-nonasm", spec, platform, scales=scales)
+    run = Run("aiter-nonasm", spec, platform, scales=scales, host_scales=host_scales)
     assert fake.accessed == ["flash_attn_varlen_fp8_pertensor_func"]
     assert [c.name for c in fake.calls] == ["flash_attn_varlen_fp8_pertensor_func"]
     args = fake.calls[0].args

@@ -102,6 +102,21 @@ def test_unbound_backend_says_how_to_bind():
         entry.backend.prepare(PARAMS)
 
 
+def test_fp8_scales_accept_floats_or_device_scalars():
+    from attn_backends._contract import check_fp8_scales
+
+    fp8 = ab.AttentionSpec(4, 2, 16, torch.float8_e4m3fn, causal=True)
+    one = torch.ones(())
+    check_fp8_scales(fp8, ab.Fp8Scales(0.5, 2.0, 1.0), torch.device("cpu"))
+    check_fp8_scales(fp8, ab.Fp8Scales(one, one, one), torch.device("cpu"))
+    with pytest.raises(ab.PackedQKVError, match=r"fp8_scales\.k is neither"):
+        check_fp8_scales(fp8, ab.Fp8Scales(1.0, -1.0, 1.0), torch.device("cpu"))
+    with pytest.raises(ab.PackedQKVError, match=r"fp8_scales\.v is neither"):
+        check_fp8_scales(fp8, ab.Fp8Scales(one, one, torch.ones(2)), torch.device("cpu"))
+    with pytest.raises(ab.PackedQKVError, match="without fp8_scales"):
+        check_fp8_scales(fp8, None, torch.device("cpu"))
+
+
 def test_fp8_scales_rules():
     be = backend()
     one = torch.ones(())

@@ -207,7 +207,8 @@ class AiterVarlenBackend(PrefillBackend):
             # The FP8 kernel runs with scale_p = scale_o = 1 and takes no descales (aiter
             # py_itfs_ck/mha_varlen_fwd_kernels.cu:140-142, "TODO - support descale" :366):
             # dequantising Q and K is the same as scaling the logits, and V a scale of the output.
-            # The scale is a host float, so this reads two device scalars (a sync) per call.
+            # The scale is a host float: scales given as Python floats cost nothing here,
+            # scales given as device tensors are read back (a sync) on every call.
             scale = p.softmax_scale * float(scales.q) * float(scales.k)
             out = p.kernel(*head, **p.options, softmax_scale=scale)
             return cast(torch.Tensor, out).mul_(scales.v)

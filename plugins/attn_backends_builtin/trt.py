@@ -102,7 +102,7 @@ class TrtBackend(PrefillBackend):
                 causal=False,
                 head_dims=frozenset({64}),
                 note="fastest measured on BERT-base 32x512, 12 heads x 64, bidirectional: "
-                "0.119 ms vs flashinfer 0.125-0.161 ms (H200, 2026-11-29)",
+                "0.0884 ms vs flashinfer fa3 0.124 ms (H200, docs/bench, 2026-11-30)",
             ),
             PriorityRule(
                 "cuda",
