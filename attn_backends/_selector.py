@@ -50,6 +50,8 @@ class Candidate:
     priority: int | None
     priority_rule: str | None
     reasons: tuple[Reason, ...]
+    assumed_libraries: tuple[str, ...] = ()
+    """Libraries this backend needs that a dry run assumed present without checking."""
 
     def to_dict(self) -> dict[str, object]:
         return {
@@ -59,6 +61,7 @@ class Candidate:
             "priority": self.priority,
             "priority_rule": self.priority_rule,
             "reasons": [r.to_dict() for r in self.reasons],
+            "assumed_libraries": list(self.assumed_libraries),
         }
 
 
@@ -129,6 +132,8 @@ class Selection:
             prio = f" priority {c.priority} [{c.priority_rule}]" if c.priority is not None else ""
             lines.append(f"  {c.verdict:>10}  {c.name} (plugin {c.plugin}){prio}")
             lines.extend(f"              - {r}" for r in c.reasons)
+            if c.assumed_libraries:
+                lines.append(f"              (assumed installed: {', '.join(c.assumed_libraries)})")
         off = [p for p in self.plugins if p.status == "disabled"]
         if off:
             lines.append("plugins disabled:")
@@ -518,4 +523,5 @@ def _candidate(j: _Judged, selected: bool, plat: Platform) -> Candidate:
         )
     else:
         verdict = "eligible"
-    return Candidate(j.name, j.entry.plugin, verdict, j.priority, j.rule, reasons)
+    assumed = j.entry.backend.capabilities.requires if plat.assumed else ()
+    return Candidate(j.name, j.entry.plugin, verdict, j.priority, j.rule, reasons, assumed)

@@ -99,6 +99,11 @@ def test_dry_run_platform_assumes_libraries(registry):
     sel = ab.select(SPEC, platform="cuda:sm90", registry=registry)
     assert sel.name == "gpu-only" and sel.platform.assumed
     assert "dry run" in sel.explain()
+    assert "(assumed installed: flashinfer)" in sel.explain()
+    gpu = next(c for c in sel.candidates if c.name == "gpu-only")
+    assert gpu.to_dict()["assumed_libraries"] == ["flashinfer"]
+    real = ab.select(SPEC, platform=ab.detect_platform("cpu"), registry=registry)
+    assert all(not c.assumed_libraries for c in real.candidates)
     with pytest.raises(
         ab.NoBackendError, match=r"gpu-only: \[arch\] .* \(got sm75; allowed sm80 or newer\)"
     ):
