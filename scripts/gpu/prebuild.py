@@ -120,20 +120,7 @@ def _spec(module: JitModule) -> Any:
     if module.kind == "fmha_v2":
         return gen_fmha_v2_module("PACKED_QKV", dtype, None)
     gen = gen_batch_prefill_module if module.kind == "fa3" else _gen_batch_prefill_primary_module
-    dim = module.head_dim
-    return gen(
-        module.kind,
-        dtype,
-        dtype,
-        dtype,
-        torch.int32,
-        dim,
-        dim,
-        int(module.rope),
-        False,
-        False,
-        False,
-    )
+    return gen(*_prefill_key(module))
 
 
 def load(module: JitModule) -> None:
@@ -148,8 +135,15 @@ def load(module: JitModule) -> None:
     if module.kind == "fmha_v2":
         prefill.get_trtllm_fmha_v2_module("PACKED_QKV", dtype, None)
         return
+    prefill.get_batch_prefill_module(*_prefill_key(module))
+
+
+def _prefill_key(module: JitModule) -> tuple[object, ...]:
+    """flashinfer's batch-prefill module key: backend, q/kv/o dtypes, index dtype, head dims,
+    position encoding, then sliding window, logits soft cap and fp16 QK reduction (all off)."""
+    dtype = DTYPES[module.dtype]
     dim = module.head_dim
-    prefill.get_batch_prefill_module(
+    return (
         module.kind,
         dtype,
         dtype,

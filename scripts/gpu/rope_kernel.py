@@ -416,17 +416,8 @@ def apply_tables(spec: AttentionSpec, params: FMHAParams) -> PositionTables:
 def _bind_native(
     packed: torch.Tensor, spec: AttentionSpec, params: FMHAParams, unroll: int, target: int
 ) -> Callable[[], None]:
-    def run() -> None:
-        native.rope_logn_(
-            packed,
-            params.cu_seqlens_q,
-            params.token_q_num,
-            spec,
-            unroll=unroll,
-            target_threads_per_sm=target,
-        )
-
-    return run
+    apply = native_apply(unroll, target)
+    return lambda: apply(packed, spec, params)
 
 
 # ---------------------------------------------------------------- main
