@@ -8,11 +8,12 @@ from __future__ import annotations
 
 import random
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 
-from attn_backends import AttentionSpec, RopeSpec
+from attn_backends import AttentionSpec
+from attn_backends._presets import PRESETS
 
 API_WITHIN = 1.05
 """Public API time over the fastest correct backend time, on every workload (issue 3)."""
@@ -51,12 +52,9 @@ class Workload:
     min_len: int
     max_len: int
     """Lengths are drawn uniformly from ``[min_len, max_len]``; equal bounds mean fixed."""
-    num_heads: int
-    num_kv_heads: int
-    head_dim: int
-    causal: bool
-    rope_theta: float | None
-    """Rotate-half RoPE over the whole head with this base; ``None``: no RoPE."""
+    preset: str
+    """Key of `attn_backends._presets.PRESETS`: the model's attention layer (one table for the
+    CLI's ``--preset`` and the benchmark)."""
     targets: Targets
     salt: int = 0
     """Mixed into the seed so that workloads draw different lengths from one ``--seed``."""
@@ -73,15 +71,29 @@ class Workload:
         return tuple(rng.randint(self.min_len, self.max_len) for _ in range(self.batch))
 
     def spec(self, dtype: torch.dtype = torch.bfloat16) -> AttentionSpec:
-        rope = RopeSpec(theta=self.rope_theta) if self.rope_theta is not None else None
-        return AttentionSpec(
-            num_heads=self.num_heads,
-            num_kv_heads=self.num_kv_heads,
-            head_dim=self.head_dim,
-            dtype=dtype,
-            causal=self.causal,
-            rope=rope,
-        )
+        return replace(PRESETS[self.preset], dtype=dtype)
+
+    @property
+    def num_heads(self) -> int:
+        return PRESETS[self.preset].num_heads
+
+    @property
+    def num_kv_heads(self) -> int:
+        return PRESETS[self.preset].num_kv_heads
+
+    @property
+    def head_dim(self) -> int:
+        return PRESETS[self.preset].head_dim
+
+    @property
+    def causal(self) -> bool:
+        return PRESETS[self.preset].causal
+
+    @property
+    def rope_theta(self) -> float | None:
+        """Rotate-half RoPE over the whole head with this base; ``None``: no RoPE."""
+        rope = PRESETS[self.preset].rope
+        return rope.theta if rope is not None else None
 
     def shape_text(self) -> str:
         """``32 x 512, 12/12 heads x 64, bidirectional, no RoPE``."""
@@ -112,8 +124,6 @@ class Workload:
         }
 
 
-QWEN_ROPE_THETA = 1e6
-
 # Ordered so that the workloads the targets speak about run first; the long GTE batch, with
 # the most expensive float64 reference, comes last and is the one a tight budget drops.
 WORKLOADS: tuple[Workload, ...] = (
@@ -123,11 +133,7 @@ WORKLOADS: tuple[Workload, ...] = (
         batch=32,
         min_len=512,
         max_len=512,
-        num_heads=12,
-        num_kv_heads=12,
-        head_dim=64,
-        causal=False,
-        rope_theta=None,
+        preset="bert-base",
         targets=Targets(legacy_speedup=2.0),
     ),
     Workload(
@@ -136,11 +142,7 @@ WORKLOADS: tuple[Workload, ...] = (
         batch=64,
         min_len=16,
         max_len=512,
-        num_heads=16,
-        num_kv_heads=16,
-        head_dim=64,
-        causal=False,
-        rope_theta=None,
+        preset="bge-m3",
         targets=Targets(padded_speedup=8.0),
         salt=1,
     ),
@@ -150,11 +152,7 @@ WORKLOADS: tuple[Workload, ...] = (
         batch=32,
         min_len=64,
         max_len=2048,
-        num_heads=16,
-        num_kv_heads=8,
-        head_dim=128,
-        causal=True,
-        rope_theta=QWEN_ROPE_THETA,
+        preset="qwen3-embedding-0.6b",
         targets=Targets(legacy_speedup=2.0, padded_speedup=8.0, rope_overhead=1.10),
         salt=2,
     ),
@@ -164,11 +162,7 @@ WORKLOADS: tuple[Workload, ...] = (
         batch=256,
         min_len=64,
         max_len=64,
-        num_heads=16,
-        num_kv_heads=8,
-        head_dim=128,
-        causal=True,
-        rope_theta=QWEN_ROPE_THETA,
+        preset="short",
         targets=Targets(legacy_speedup=2.0, rope_overhead=1.10),
         salt=3,
     ),
@@ -178,11 +172,7 @@ WORKLOADS: tuple[Workload, ...] = (
         batch=4,
         min_len=8192,
         max_len=8192,
-        num_heads=28,
-        num_kv_heads=4,
-        head_dim=128,
-        causal=True,
-        rope_theta=QWEN_ROPE_THETA,
+        preset="gte-qwen2-7b",
         targets=Targets(),
         salt=4,
     ),
