@@ -23,7 +23,6 @@ from ._contract import (
     QKVInput,
     QKVViews,
     prepare_plan,
-    preprocess_mode,
     run_forward,
 )
 from ._errors import AttentionBackendError, BackendFailure, ParamsError, UnboundBackendError
@@ -75,8 +74,16 @@ class PrefillBackend(ABC):
 
     def describe(self, platform: Platform) -> dict[str, str]:
         spec = self.bound_spec()
-        rope = resolve_preprocess(spec, platform, self.capabilities.fused_rope)
-        return {**rope.details(), "input_layout": self.input_layout(spec)}
+        caps = self.capabilities
+        rope = resolve_preprocess(spec, platform, caps.fused_rope)
+        details = {**rope.details(), "input_layout": self.input_layout(spec)}
+        if rope.mode == "fused" and caps.fused_rope_max_seqlen is not None:
+            longer = resolve_preprocess(spec, platform, False)
+            details["preprocess"] = (
+                f"fused for batches of max_seqlen <= {caps.fused_rope_max_seqlen}, "
+                f"else {longer.mode}"
+            )
+        return details
 
     def bound_spec(self) -> AttentionSpec:
         if self._spec is None:
@@ -90,10 +97,10 @@ class PrefillBackend(ABC):
         spec = self.bound_spec()
         if not isinstance(params, FMHAParams):
             raise ParamsError(f"prepare() takes FMHAParams, got {type(params).__name__}")
-        fused = preprocess_mode(spec, self.capabilities.fused_rope) == "fused"
+        fused = self.capabilities.fuses_rope(spec, params.max_seqlen_q)
         with _failures_named(self.name, "plan_kernel"):
             kernel = self.plan_kernel(spec, params, fused_rope=fused)
-        return prepare_plan(self.name, spec, params, self.capabilities.fused_rope, kernel)
+        return prepare_plan(self.name, spec, params, fused, kernel)
 
     def forward(
         self, qkv: QKVInput, plan: PrefillPlan, *, fp8_scales: Fp8Scales | None = None

@@ -34,6 +34,8 @@ class PriorityRule:
     gqa: bool | None = None
     causal: bool | None = None
     head_dims: frozenset[int] | None = None
+    rope_fusable: bool | None = None
+    """Match only specs whose RoPE a fused-RoPE kernel computes (True) or the others (False)."""
     note: str = ""
 
     def matches(self, spec: AttentionSpec, platform: Platform) -> bool:
@@ -50,6 +52,8 @@ class PriorityRule:
             return False
         if self.causal is not None and spec.causal != self.causal:
             return False
+        if self.rope_fusable is not None and spec.rope_fusable != self.rope_fusable:
+            return False
         return self.head_dims is None or spec.head_dim in self.head_dims
 
     def describe(self) -> str:
@@ -64,6 +68,8 @@ class PriorityRule:
             parts.append("causal" if self.causal else "bidirectional")
         if self.head_dims is not None:
             parts.append("d=" + "|".join(str(d) for d in sorted(self.head_dims)))
+        if self.rope_fusable is not None:
+            parts.append("fusable RoPE" if self.rope_fusable else "no fusable RoPE")
         text = " ".join(parts)
         return f"{text} ({self.note})" if self.note else text
 
@@ -91,6 +97,10 @@ class Capabilities:
     """Implements `HeadwiseConfig` masks; other backends refuse a headwise spec."""
     fused_rope: bool = False
     """Applies rotate-half RoPE over the whole head inside the kernel (no separate pass)."""
+    fused_rope_max_seqlen: int | None = None
+    """With ``fused_rope``: fuse only batches whose longest sequence is at most this many
+    tokens; longer batches run the separate pass and the kernel without RoPE (a measured
+    crossover; ``None``: every batch is fused)."""
     requires: tuple[str, ...] = ()
     """Optional libraries (import names) the kernel needs."""
     priority: tuple[PriorityRule, ...] = field(default=())
@@ -98,6 +108,13 @@ class Capabilities:
     @property
     def fp8(self) -> bool:
         return any(dtype.is_floating_point and dtype.itemsize == 1 for dtype in self.dtypes)
+
+    def fuses_rope(self, spec: AttentionSpec, max_seqlen: int) -> bool:
+        """Whether a batch whose longest sequence has ``max_seqlen`` tokens runs fused RoPE."""
+        if not (self.fused_rope and spec.rope_fusable):
+            return False
+        limit = self.fused_rope_max_seqlen
+        return limit is None or max_seqlen <= limit
 
     def priority_for(self, spec: AttentionSpec, platform: Platform) -> PriorityRule | None:
         """First rule matching the request; ``None``: never picked without an explicit choice."""
@@ -118,6 +135,7 @@ class Capabilities:
             "mla": self.mla,
             "headwise": self.headwise,
             "fused_rope": self.fused_rope,
+            "fused_rope_max_seqlen": self.fused_rope_max_seqlen,
             "fp8": self.fp8,
             "requires": list(self.requires),
             "priority": [rule.describe() + f" -> {rule.score}" for rule in self.priority],

@@ -85,14 +85,7 @@ def preprocess_mode(spec: AttentionSpec, fused_rope: bool) -> PreprocessMode:
     """
     if spec.rope is None and not spec.use_logn_attn:
         return "none"
-    if (
-        fused_rope
-        and spec.rope is not None
-        and not spec.rope.interleaved
-        and spec.rotary_dim == spec.head_dim
-        and not spec.use_logn_attn
-        and not spec.is_fp8
-    ):
+    if fused_rope and spec.rope_fusable:
         return "fused"
     return "torch"
 

@@ -222,6 +222,18 @@ class AttentionSpec:
             return 0
         return self.rope.rotary_dim if self.rope.rotary_dim is not None else self.head_dim
 
+    @property
+    def rope_fusable(self) -> bool:
+        """The spec's pre-processing is RoPE alone that a fused-RoPE kernel computes:
+        rotate-half over the whole head, no logn, 16-bit input."""
+        return (
+            self.rope is not None
+            and not self.rope.interleaved
+            and self.rotary_dim == self.head_dim
+            and not self.use_logn_attn
+            and not self.is_fp8
+        )
+
     def to_dict(self) -> dict[str, object]:
         return {
             "num_heads": self.num_heads,

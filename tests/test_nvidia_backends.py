@@ -152,8 +152,11 @@ def test_kernel_choice_is_in_the_decision_record():
     fused = dict(
         ab.select(spec_of(rope=rope), backend="flashinfer-rope", platform="cuda:sm90").details
     )
-    assert fused["flashinfer_backend"] == "fa2" and fused["pos_encoding_mode"] == "ROPE_LLAMA"
-    assert fused["preprocess"] == "fused" and "RoPE" in fused["flashinfer_backend_reason"]
+    limit = FlashinferRopeBackend.capabilities.fused_rope_max_seqlen
+    assert fused["flashinfer_backend"] == f"fa2 for batches of max_seqlen <= {limit}, else fa3"
+    assert fused["pos_encoding_mode"] == f"ROPE_LLAMA for max_seqlen <= {limit}, else NONE"
+    assert fused["preprocess"] == f"fused for batches of max_seqlen <= {limit}, else native"
+    assert "RoPE" in fused["flashinfer_backend_reason"]
     interleaved = dict(
         ab.select(
             spec_of(rope=ab.RopeSpec(1e4, interleaved=True)),
@@ -181,7 +184,14 @@ def test_kernel_choice_is_in_the_decision_record():
         (spec_of(heads=(12, 12), dim=64, causal=False), "cuda:sm90", "trt"),
         (spec_of(heads=(12, 12), dim=64, causal=True), "cuda:sm90", "flashinfer"),
         (spec_of(heads=(16, 16), dim=128, causal=False), "cuda:sm90", "flashinfer"),
-        (spec_of(heads=(16, 8), rope=ab.RopeSpec(1e6)), "cuda:sm90", "flashinfer"),
+        (spec_of(heads=(16, 8), rope=ab.RopeSpec(1e6)), "cuda:sm90", "flashinfer-rope"),
+        (spec_of(heads=(16, 8), rope=ab.RopeSpec(1e6)), "cuda:sm80", "flashinfer"),
+        (
+            spec_of(heads=(16, 8), rope=ab.RopeSpec(1e6, interleaved=True)),
+            "cuda:sm90",
+            "flashinfer",
+        ),
+        (spec_of(heads=(16, 8), rope=ab.RopeSpec(1e6, rotary_dim=64)), "cuda:sm90", "flashinfer"),
         (spec_of(heads=(12, 12), dim=64, causal=False), "cuda:sm80", "flashinfer"),
         (spec_of(dtype=torch.float32), "cuda:sm90", "torch-sdpa"),
         (spec_of(headwise=ab.HeadwiseConfig(frozenset({0}))), "cuda:sm90", "headwise"),
@@ -276,6 +286,40 @@ def test_flashinfer_rope_fuses_rope_only_when_the_kernel_can(fake, sm90):
         run_layers(backend, other, params, qkv)
         assert fake.named(INIT)[-1].args["backend"] == "fa3"
         assert fake.named(PLAN)[-1].args["pos_encoding_mode"] == "NONE"
+
+
+def test_flashinfer_rope_fuses_short_batches_and_runs_long_ones_separately(fake, sm90):
+    """Per batch: fa2 with ROPE_LLAMA up to the crossover length, the separate pass and fa3
+    beyond it; a plan is valid until the next prepare on the device, whichever wrapper."""
+    spec = spec_of(rope=ab.RopeSpec(1e6))
+    limit = FlashinferRopeBackend.capabilities.fused_rope_max_seqlen
+    assert limit is not None
+    backend = FlashinferRopeBackend().bind(spec)
+    short_params, short_qkv = packed_input(spec, (limit, 3, 1))
+    long_params, long_qkv = packed_input(spec, (limit + 1, 5), seed=1)
+
+    short_plan = backend.prepare(short_params)
+    assert short_plan.preprocess == "fused"
+    buf = short_qkv.clone()
+    check_numbers(backend.forward(buf, short_plan), short_qkv, spec, short_params)
+    assert torch.equal(buf, short_qkv), "fused: the buffer is not rotated"
+    assert fake.named(INIT)[-1].args["backend"] == "fa2"
+    assert fake.named(PLAN)[-1].args["pos_encoding_mode"] == "ROPE_LLAMA"
+
+    long_plan = backend.prepare(long_params)
+    assert long_plan.preprocess == "torch"  # the separate pass (torch on the fake's CPU tensors)
+    buf = long_qkv.clone()
+    check_numbers(backend.forward(buf, long_plan), long_qkv, spec, long_params)
+    assert not torch.equal(buf, long_qkv), "separate pass: RoPE applied in place"
+    assert fake.named(INIT)[-1].args["backend"] == "fa3"
+    assert fake.named(PLAN)[-1].args["pos_encoding_mode"] == "NONE"
+    assert len(fake.named(INIT)) == 2, "one wrapper per implementation, kept for later batches"
+
+    with pytest.raises(ab.ParamsError, match="replaced by a later prepare"):
+        backend.forward(short_qkv.clone(), short_plan)
+    again = backend.prepare(short_params)
+    check_numbers(backend.forward(short_qkv.clone(), again), short_qkv, spec, short_params)
+    assert len(fake.named(INIT)) == 2
 
 
 def test_fa3_would_ignore_fused_rope_so_it_is_never_asked(fake, sm90):

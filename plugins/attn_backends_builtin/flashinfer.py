@@ -12,6 +12,12 @@ has it, fa2 elsewhere; the choice is in the selector's decision record.
 "ROPE_LLAMA"``, fa2 only, since fa3 ignores RoPE without an error). The contract hands it the
 RoPE only for rotate-half RoPE over the whole head without logn; for other specs it runs the
 separate RoPE pass and this backend plans without ROPE_LLAMA, exactly like ``flashinfer``.
+Fusing pays on short sequences only (it saves a memory pass, but fa2 is slower than fa3 on
+Hopper as sequences grow), so it is decided per batch: batches whose longest sequence is at
+most ``fused_rope_max_seqlen`` tokens run fused, longer ones the separate pass and fa3 (the
+crossover measured by scripts/gpu/rope_crossover.py). One wrapper per implementation and
+device; they share the device's workspace, so a plan is valid until the next ``prepare`` on
+that device.
 
 Alignment: flashinfer assumes 16-byte aligned rows (128-bit and TMA loads). Buffers torch
 allocates always are; a misaligned buffer (an odd storage offset or row stride) is copied once
@@ -58,17 +64,27 @@ from ._flashinfer_common import (
 API_VERSION = "1.0"
 WORKSPACE_BYTES = 128 << 20
 KERNEL = "flashinfer.BatchPrefillWithRaggedKVCacheWrapper"
+FUSED_ROPE_MAX_SEQLEN = 256
+"""Longest sequence of a batch that ``flashinfer-rope`` still fuses RoPE for on sm90 (fa2 with
+ROPE_LLAMA against the separate pass + fa3); see scripts/gpu/rope_crossover.py."""
 
 
 class _WrapperSlot:
-    """A flashinfer wrapper on one device. It keeps only its latest plan, so the slot counts
-    plans and `attend` refuses a plan that a later ``prepare`` replaced."""
+    """A flashinfer wrapper for one kernel implementation on one device."""
 
     def __init__(self, wrapper: Any, choice: KernelChoice) -> None:
         # Any: flashinfer ships no type information.
         self.wrapper = wrapper
         self.choice = choice
-        self.serial = 0
+
+
+class _DeviceSerial:
+    """Counts plans per device. A wrapper keeps only its latest plan, and the wrappers of one
+    device share its workspace, so `attend` refuses any plan a later ``prepare`` on the same
+    device replaced."""
+
+    def __init__(self) -> None:
+        self.value = 0
 
 
 @dataclass(frozen=True, eq=False)
@@ -76,6 +92,7 @@ class RaggedPlan:
     """The per-batch kernel plan: which wrapper, which of its plans, and what was planned."""
 
     slot: _WrapperSlot
+    counter: _DeviceSerial
     serial: int
     choice: KernelChoice
     pos_encoding_mode: str
@@ -108,32 +125,52 @@ class FlashinferBackend(PrefillBackend):
     def __init__(self, spec: AttentionSpec | None = None) -> None:
         super().__init__(spec)
         self._workspaces = DeviceBuffers(WORKSPACE_BYTES)
-        self._slots: dict[torch.device, _WrapperSlot] = {}
+        self._slots: dict[tuple[torch.device, str], _WrapperSlot] = {}
+        self._serials: dict[torch.device, _DeviceSerial] = {}
 
-    def _fused(self, spec: AttentionSpec) -> bool:
-        return preprocess_mode(spec, self.capabilities.fused_rope) == "fused"
+    def _fusion_cases(self, spec: AttentionSpec) -> tuple[bool, ...]:
+        """Whether batches run fused RoPE: (False,), (True,), or (True, False) when the choice
+        is made per batch by length."""
+        caps = self.capabilities
+        if preprocess_mode(spec, caps.fused_rope) != "fused":
+            return (False,)
+        return (True,) if caps.fused_rope_max_seqlen is None else (True, False)
 
     def describe(self, platform: Platform) -> dict[str, str]:
         spec = self.bound_spec()
-        fused = self._fused(spec)
-        choice = choose_kernel(spec, platform.sm, fused)
-        return {
+        cases = self._fusion_cases(spec)
+        choices = [choose_kernel(spec, platform.sm, fused) for fused in cases]
+        details = {
             **super().describe(platform),
             "kernel": KERNEL,
-            "flashinfer_backend": choice.backend,
-            "flashinfer_backend_reason": choice.reason,
-            "pos_encoding_mode": _pos_encoding(fused),
+            "flashinfer_backend": choices[0].backend,
+            "flashinfer_backend_reason": choices[0].reason,
+            "pos_encoding_mode": _pos_encoding(cases[0]),
             "workspace_bytes": str(WORKSPACE_BYTES),
         }
+        if len(cases) == 2:
+            limit = self.capabilities.fused_rope_max_seqlen
+            details["flashinfer_backend"] = (
+                f"{choices[0].backend} for batches of max_seqlen <= {limit}, "
+                f"else {choices[1].backend}"
+            )
+            details["flashinfer_backend_reason"] = (
+                f"fused RoPE: {choices[0].reason}; without: {choices[1].reason}"
+            )
+            details["pos_encoding_mode"] = f"ROPE_LLAMA for max_seqlen <= {limit}, else NONE"
+        return details
 
     def jit_modules(self, spec: AttentionSpec, sm: int) -> tuple[JitModule, ...]:
-        """The flashinfer JIT module this backend loads for ``spec`` on an ``sm`` device."""
-        fused = self._fused(spec)
-        choice = choose_kernel(spec, sm, fused)
-        return (JitModule(choice.backend, dtype_str(spec.dtype), spec.head_dim, fused),)
+        """The flashinfer JIT modules this backend loads for ``spec`` on an ``sm`` device."""
+        return tuple(
+            JitModule(
+                choose_kernel(spec, sm, fused).backend, dtype_str(spec.dtype), spec.head_dim, fused
+            )
+            for fused in self._fusion_cases(spec)
+        )
 
     def _slot(self, device: torch.device, choice: KernelChoice) -> _WrapperSlot:
-        slot = self._slots.get(device)
+        slot = self._slots.get((device, choice.backend))
         if slot is None:
             import flashinfer  # lazily: a GPU library
 
@@ -141,12 +178,7 @@ class FlashinferBackend(PrefillBackend):
                 self._workspaces.get(device), kv_layout="NHD", backend=choice.backend
             )
             slot = _WrapperSlot(wrapper, choice)
-            self._slots[device] = slot
-        elif slot.choice.backend != choice.backend:
-            raise BackendFailure(
-                f"{self.name}: the wrapper on {device} runs {slot.choice.backend}, this plan "
-                f"needs {choice.backend}; bind a new backend instance for this spec"
-            )
+            self._slots[(device, choice.backend)] = slot
         return slot
 
     def plan_kernel(
@@ -173,18 +205,19 @@ class FlashinferBackend(PrefillBackend):
             kv_data_type=spec.dtype,
             o_data_type=spec.output_dtype,
         )
-        slot.serial += 1
-        return RaggedPlan(slot, slot.serial, choice, mode, indptr)
+        counter = self._serials.setdefault(params.device, _DeviceSerial())
+        counter.value += 1
+        return RaggedPlan(slot, counter, counter.value, choice, mode, indptr)
 
     def attend(self, views: QKVViews, plan: PrefillPlan) -> torch.Tensor:
         kernel = plan.kernel
         if not isinstance(kernel, RaggedPlan):
             raise BackendFailure(f"{self.name} got a plan it did not make: {kernel!r}")
-        if kernel.serial != kernel.slot.serial:
+        if kernel.serial != kernel.counter.value:
             raise ParamsError(
                 f"{self.name}: this plan was replaced by a later prepare() on the same backend "
-                "(flashinfer keeps one plan per wrapper); run forward() with the newest plan, "
-                "or bind another backend instance for batches in flight together"
+                "and device (flashinfer keeps one plan per wrapper); run forward() with the "
+                "newest plan, or bind another backend instance for batches in flight together"
             )
         spec = plan.spec
         views = realigned(views, spec)
@@ -198,14 +231,23 @@ class FlashinferRopeBackend(FlashinferBackend):
     capabilities = replace(
         FlashinferBackend.capabilities,
         fused_rope=True,
+        fused_rope_max_seqlen=FUSED_ROPE_MAX_SEQLEN,
         priority=(
+            PriorityRule(
+                "cuda",
+                105,
+                min_sm=90,
+                max_sm=90,
+                rope_fusable=True,
+                note="above flashinfer for RoPE it fuses: the same fa3 kernel on long batches, "
+                "fused RoPE on short ones, where it was faster on H200 (short 256x64: 0.167 vs "
+                "0.216 ms, 2026-11-29)",
+            ),
             PriorityRule(
                 "cuda",
                 80,
                 min_sm=80,
-                note="fused-RoPE candidate, ranked below flashinfer until measured per shape: "
-                "faster on short 256x64 (0.167 vs 0.216 ms), slower on Qwen3-Embedding "
-                "(1.08 vs 0.60 ms) on H200, 2026-11-29",
+                note="below flashinfer: fusing not measured off Hopper, nothing to fuse here",
             ),
         ),
     )

@@ -9,6 +9,7 @@
 # headwise, then the GPU tests of tests/gpu/test_nvidia_gpu.py and the check of the fake
 # flashinfer's signatures against the installed one. Writes OUT_DIR/<run>.xml, <run>.log and
 # OUT_DIR/summary.txt (passed / skipped with reasons / failed per run) and prints the summary.
+# RUN_TIMEOUT=S stops any single run after S seconds (rc=124 in the summary; default: none).
 # The flashinfer runs go one after another (they share flashinfer's JIT cache); headwise, which
 # spends its time compiling FlexAttention kernels, runs beside them.
 set -u
@@ -22,8 +23,8 @@ run() {
     local name=$1
     shift
     local start=$SECONDS
-    python3 -m pytest -q -p no:cacheprovider -o junit_family=xunit1 \
-        --junitxml="$out/$name.xml" "$@" >"$out/$name.log" 2>&1
+    timeout "${RUN_TIMEOUT:-0}" python3 -m pytest -q -p no:cacheprovider \
+        -o junit_family=xunit1 --junitxml="$out/$name.xml" "$@" >"$out/$name.log" 2>&1
     local rc=$?
     echo "$name rc=$rc $((SECONDS - start))s" >>"$out/times.txt"
 }

@@ -24,6 +24,11 @@ oversubscribe the cores or leave them idle. Finally every module is loaded once 
 loader the backend uses, which shows a cache hit, and the table gives per module its objects,
 compile job-seconds (from ninja's log, about CPU-seconds), when it was done and its load time.
 
+The combined build keeps ninja's records in the JIT directory, while flashinfer's loader runs
+ninja in each module's own directory; the records are copied there (``hand_over_records``) and
+``ninja -n`` then confirms per module that the loader has nothing left to compile (exit 4 if
+not). Without that copy every module was compiled a second time on first load.
+
 If the build would run past ``--budget`` seconds it is stopped cleanly (finished objects stay
 in the cache) and the script exits 3: run it again to continue.
 """
@@ -55,10 +60,11 @@ SM = 90
 ARCH_LIST = "9.0a"
 """sm90a: what fa3 and the FMHA v2 warp-specialized kernels need ("9.0" means the same)."""
 ROPE = JitModule("rope", "any", None)
-EST_CPU_S = {"fa3": 720.0, "fa2": 180.0, "fmha_v2": 1050.0, "rope": 100.0}
-"""Rough CPU-seconds per module, from single objects compiled on one core of a CPU machine
-(nvcc 13.0): fa3 10 objects, 8 of them about 80 s each; fa2 10 objects, about 19 s each;
-FMHA v2 134 objects, about 8 s each; flashinfer's RoPE 2 objects."""
+EST_CPU_S = {"fa3": 720.0, "fa2": 180.0, "fmha_v2": 2300.0, "rope": 100.0}
+"""Rough CPU-seconds per module: fa3 10 objects, 8 of them about 80 s each, and fa2 10 objects
+of about 19 s each (single objects timed on one core, nvcc 13.0); FMHA v2 about 136 objects,
+from the H200 machine's rate of about one object per second on 16 cores; flashinfer's RoPE 2
+objects."""
 DTYPES = {"float16": torch.float16, "bfloat16": torch.bfloat16}
 Backend = FlashinferBackend | TrtBackend
 
@@ -229,6 +235,37 @@ def run_ninja(jit_dir: Path, ninja_file: Path, jobs: int, deadline: float, log: 
                 print("  " + line.rstrip()[:400])
 
 
+NINJA_RECORDS = (".ninja_log", ".ninja_deps")
+
+
+def hand_over_records(jit_dir: Path, module_dirs: list[Path]) -> None:
+    """Give each module's build directory the records of the combined build.
+
+    flashinfer's loader runs ninja per module, in the module's directory, and ninja keeps its
+    command log and dependency records in the directory it runs in. Without the combined
+    build's records ninja there finds no record for any object and compiles the whole module
+    again. The records name outputs by absolute path, so a copy of the combined files serves
+    every module; ninja ignores the entries of other modules. Objects the combined build did
+    not finish have no record and are still rebuilt, as they must be."""
+    for module_dir in module_dirs:
+        for name in NINJA_RECORDS:
+            source = jit_dir / name
+            if source.exists():
+                (module_dir / name).write_bytes(source.read_bytes())
+
+
+def pending_steps(module_dir: Path) -> int:
+    """How many build steps ninja would still run for one module (0: the loader only loads)."""
+    result = subprocess.run(
+        ["ninja", "-n", "-C", str(module_dir), "-f", str(module_dir / "build.ninja")],
+        capture_output=True,
+        text=True,
+    )
+    if result.returncode:
+        raise RuntimeError(f"ninja -n failed in {module_dir}: {result.stderr[-500:]}")
+    return sum(1 for line in result.stdout.splitlines() if line.startswith("["))
+
+
 def ninja_stats(log_path: Path, offset: int) -> dict[str, tuple[int, float, float]]:
     """Per module directory: (objects, summed seconds, last end in seconds) of this run."""
     stats: dict[str, list[float]] = defaultdict(lambda: [0, 0.0, 0.0])
@@ -338,9 +375,17 @@ def main() -> int:
     )
     build_s = time.monotonic() - build_start
     print(f"{time.monotonic() - START:6.0f}s ninja exit {status} after {build_s:.0f} s")
+    # Also after a stop: the finished objects' records then save the next run their compile.
+    hand_over_records(jit_dir, [Path(g["ninja"]).parent for g in todo])
     if status:
         print(f"full ninja output: {jit_dir / 'tmp' / 'attn_backends_prebuild.log'}")
         return status
+    stale = {g["name"]: pending_steps(Path(g["ninja"]).parent) for g in todo}
+    stale = {name: steps for name, steps in stale.items() if steps}
+    if stale:
+        print(f"NOT up to date for flashinfer's per-module ninja (steps left): {stale}")
+        return 4
+    print(f"{time.monotonic() - START:6.0f}s every module up to date for its own ninja")
 
     stats = ninja_stats(ninja_log, offset)
     print(f"{'module':40s} {'objects':>7s} {'job_s':>7s} {'done_s':>7s} {'load_s':>7s}")

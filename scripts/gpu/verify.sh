@@ -1,69 +1,43 @@
 #!/usr/bin/env bash
-# One device call of the H200 verification, within a 10-minute slot. From the repository root:
+# The H200 verification as one detached pipeline that outlives a device call, so the JIT build,
+# the conformance runs and the benchmark go on across 10-minute calls. From the repository root:
 #
-#     scripts/gpu/verify.sh a OUT_DIR   # flashinfer modules, native RoPE kernel, conformance of
-#                                       # torch-sdpa, flashinfer, flashinfer-rope, headwise, GPU tests
-#     scripts/gpu/verify.sh b OUT_DIR   # FMHA v2 modules, conformance of trt, the benchmark
+#     scripts/gpu/verify.sh OUT_DIR [WAIT_S]
 #
-# Phase b reuses phase a's JIT cache when the machine is still the same; otherwise it builds the
-# modules the benchmark needs. Every step has a deadline so the call ends with its logs written;
-# with PACK_TO=DIR the whole OUT_DIR is packed into DIR/<phase>.tgz on exit (the device tool
-# brings back only a few files).
+# The first call starts scripts/gpu/pipeline.sh in its own session (results under
+# build/gpu-run/); every call then waits up to WAIT_S seconds (default 540) for it to finish,
+# prints its progress and packs build/gpu-run into OUT_DIR/run.tgz. Call it again, on the same
+# machine, until it prints "pipeline: finished". A finished pipeline is not started again; remove
+# build/gpu-run to start over.
 set -u
-phase=${1:?usage: scripts/gpu/verify.sh a|b OUT_DIR}
-out=${2:?usage: scripts/gpu/verify.sh a|b OUT_DIR}
-budget=${BUDGET:-560}
-mkdir -p "$out"
-if [ -n "${PACK_TO:-}" ]; then
-    trap 'tar czf "$PACK_TO/$phase.tgz" -C "$(dirname "$out")" "$(basename "$out")"' EXIT
+out=${1:?usage: scripts/gpu/verify.sh OUT_DIR [WAIT_S]}
+wait_s=${2:-540}
+run_dir=build/gpu-run
+mkdir -p "$out" "$run_dir"
+pack() { tar czf "$out/run.tgz" "$run_dir"; }
+trap pack EXIT
+
+if [ -f "$run_dir/finished" ]; then
+    echo "pipeline: finished earlier"
+elif [ -f "$run_dir/pid" ] && kill -0 "$(cat "$run_dir/pid")" 2>/dev/null; then
+    echo "pipeline: running since $(stat -c %y "$run_dir/pid")"
+else
+    setsid nohup bash scripts/gpu/pipeline.sh "$run_dir" >"$run_dir/pipeline.log" 2>&1 </dev/null &
+    echo $! >"$run_dir/pid"
+    echo "pipeline: started (pid $(cat "$run_dir/pid"))"
 fi
-exec > >(tee -a "$out/verify.log") 2>&1
-left() { echo $((budget - SECONDS)); }
-step() { echo "[$(date +%T) +${SECONDS}s] $*"; }
 
-step "setup"
-. scripts/gpu/setup.sh
-{
-    nvidia-smi
-    python3 -c "import torch, sys; print('torch', torch.__version__, 'cuda', torch.version.cuda, 'python', sys.version)"
-    nvcc --version | tail -1
-} >"$out/env.txt" 2>&1
-
-case $phase in
-a)
-    step "prebuild flashinfer modules (no FMHA v2), native kernel build, headwise conformance"
-    timeout $(($(left) - 210)) python3 scripts/gpu/prebuild.py --skip fmha_v2 \
-        --budget $(($(left) - 220)) >"$out/prebuild.log" 2>&1 &
-    prebuild=$!
-    timeout 300 python3 -c "from attn_backends import _native; _native.load(); print('native kernel built')" \
-        >"$out/native-build.log" 2>&1 &
-    native=$!
-    timeout $(($(left) - 40)) scripts/gpu/conformance.sh "$out/conformance-headwise" headwise &
-    headwise=$!
-    wait "$native"; step "native build rc=$?"
-    wait "$prebuild"; step "prebuild rc=$?"
-    tail -15 "$out/prebuild.log"
-    step "rope kernel numerics and bandwidth"
-    timeout $(($(left) - 140)) python3 scripts/gpu/rope_kernel.py "$out/rope" >"$out/rope.log" 2>&1
-    step "rope rc=$?"; tail -25 "$out/rope.log"
-    step "conformance torch-sdpa flashinfer flashinfer-rope gpu-tests"
-    timeout $(($(left) - 20)) scripts/gpu/conformance.sh "$out/conformance" \
-        torch-sdpa flashinfer flashinfer-rope gpu-tests
-    wait "$headwise"; step "headwise rc=$?"
-    cat "$out/conformance-headwise/summary.txt" 2>/dev/null
-    ;;
-b)
-    step "prebuild FMHA v2 and the benchmark's flashinfer modules"
-    timeout $(($(left) - 230)) python3 scripts/gpu/prebuild.py --skip "fa3 float16" \
-        --skip "fa2 float16" --budget $(($(left) - 240)) >"$out/prebuild.log" 2>&1
-    step "prebuild rc=$?"; tail -15 "$out/prebuild.log"
-    step "conformance trt"
-    timeout 90 scripts/gpu/conformance.sh "$out/conformance-trt" trt
-    step "benchmark"
-    timeout $(($(left) - 10)) python3 -m attn_backends.bench --out "$out/bench" \
-        --time-budget-s $(($(left) - 60)) --iters 50 --warmup 10 2>"$out/bench.log"
-    step "bench rc=$?"
-    ;;
-*) echo "unknown phase $phase" ;;
-esac
-step "done"
+shown=0
+while [ "$SECONDS" -lt "$wait_s" ] && [ ! -f "$run_dir/finished" ]; do
+    kill -0 "$(cat "$run_dir/pid")" 2>/dev/null || { echo "pipeline: died"; break; }
+    lines=$(wc -l <"$run_dir/pipeline.log")
+    if [ "$lines" -gt "$shown" ]; then
+        tail -n +"$((shown + 1))" "$run_dir/pipeline.log" | grep -E '^\[|s \[|rc=|PASS|FAIL' | tail -8
+        shown=$lines
+    fi
+    sleep 5
+done
+[ -f "$run_dir/finished" ] && echo "pipeline: finished" || echo "pipeline: still running"
+echo "--- pipeline.log"; tail -40 "$run_dir/pipeline.log"
+[ -f "$run_dir/prebuild.log" ] && { echo "--- prebuild.log"; tail -4 "$run_dir/prebuild.log"; }
+[ -f "$run_dir/conformance/times.txt" ] && { echo "--- conformance"; cat "$run_dir/conformance/times.txt"; }
