@@ -32,6 +32,7 @@ from attn_backends.bench.paths import (
     paged_cache,
     rope_tables,
     rotated,
+    with_batch_preprocess,
 )
 from attn_backends.bench.results import (
     BenchResult,
@@ -59,7 +60,7 @@ from tests.fakes.fake_flashinfer import install as install_fake_flashinfer
 # --- workloads -------------------------------------------------------------------------------
 
 
-def test_workloads_are_the_five_of_the_issue():
+def test_workloads_are_the_five_model_shapes():
     shapes = {
         w.name: (
             w.batch,
@@ -91,7 +92,7 @@ def test_workloads_are_the_five_of_the_issue():
             assert not spec.rope.interleaved
 
 
-def test_targets_sit_on_the_workloads_the_issues_name():
+def test_targets_sit_on_their_workloads():
     legacy = {w.name for w in WORKLOADS if w.targets.legacy_speedup == 2.0}
     padded = {w.name for w in WORKLOADS if w.targets.padded_speedup == 8.0}
     rope = {w.name for w in WORKLOADS if w.targets.rope_overhead == 1.10}
@@ -585,6 +586,18 @@ def test_public_api_path_runs_forward_with_rope_in_place():
     out = path.run(buffer)
     assert relative_error(out, ref) < TOLERANCE[spec.dtype]
     assert not torch.equal(buffer, qkv)  # the contract rotated Q/K in place
+
+
+def test_a_per_batch_preprocess_policy_is_reported_as_what_the_batch_ran():
+    policy = "fused for batches of max_seqlen <= 256, else native"
+    details = {"preprocess": policy, "input_layout": "views"}
+    assert with_batch_preprocess(details, "native") == {
+        "preprocess": "native",
+        "preprocess_policy": policy,
+        "input_layout": "views",
+    }
+    same = {"preprocess": "native"}
+    assert with_batch_preprocess(same, "native") == same
 
 
 def test_public_api_path_skips_a_backend_that_refuses_with_its_reasons():

@@ -9,6 +9,7 @@ masks, the fa2/fa3 choice.
 
 from __future__ import annotations
 
+import dataclasses
 import importlib
 import inspect
 from collections.abc import Callable
@@ -175,13 +176,14 @@ def test_kernel_choice_is_in_the_decision_record():
     assert trt["input_layout"] == "dense-packed" and trt["native_tensorrt_llm"] == "not implemented"
 
 
-# Priorities: trt for MHA d64 bidirectional on sm90, flashinfer elsewhere, headwise for headwise.
+# Priorities (H200 measurements): flashinfer-rope for RoPE it can fuse on sm90, flashinfer
+# elsewhere (trt ranks below it: never faster there), headwise for headwise.
 
 
 @pytest.mark.parametrize(
     ("spec", "platform", "winner"),
     [
-        (spec_of(heads=(12, 12), dim=64, causal=False), "cuda:sm90", "trt"),
+        (spec_of(heads=(12, 12), dim=64, causal=False), "cuda:sm90", "flashinfer"),
         (spec_of(heads=(12, 12), dim=64, causal=True), "cuda:sm90", "flashinfer"),
         (spec_of(heads=(16, 16), dim=128, causal=False), "cuda:sm90", "flashinfer"),
         (spec_of(heads=(16, 8), rope=ab.RopeSpec(1e6)), "cuda:sm90", "flashinfer-rope"),
@@ -433,6 +435,20 @@ class TestFakeFlashinferConformance(NoCachePrefillConformance):
     @pytest.fixture(autouse=True)
     def _fake_flashinfer(self, monkeypatch, sm90):
         install(monkeypatch)
+
+
+def test_conformance_catches_a_batch_on_the_wrong_side_of_the_fusion_limit(fake, sm90):
+    """The suite's limit cases fail when the plan's pre-processing is not the declared one."""
+    from attn_backends.testing.cases import conformance_cases
+    from attn_backends.testing.suite import run_case
+
+    caps = FlashinferRopeBackend.capabilities
+    at_limit = next(c for c in conformance_cases(caps) if c.id.endswith("fused-rope-at-limit"))
+    assert at_limit.expect_fused is True and max(at_limit.lengths) == caps.fused_rope_max_seqlen
+    run_case("flashinfer-rope", at_limit, "cpu", platform=SM90)
+    wrong = dataclasses.replace(at_limit, expect_fused=False)
+    with pytest.raises(AssertionError, match="expected the separate pass"):
+        run_case("flashinfer-rope", wrong, "cpu", platform=SM90)
 
 
 # headwise: the real backend on CPU (eager FlexAttention).

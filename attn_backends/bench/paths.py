@@ -105,6 +105,18 @@ def rotate_(x: torch.Tensor, t: RopeTables) -> None:
 # --- (a), (b), (c): the public API ---------------------------------------------------------
 
 
+def with_batch_preprocess(details: dict[str, str], batch_mode: str) -> dict[str, str]:
+    """The record with ``preprocess`` set to what this batch runs; a per-batch policy (fused
+    RoPE up to some length) moves to ``preprocess_policy``."""
+    if details.get("preprocess") == batch_mode:
+        return details
+    return {
+        **details,
+        "preprocess": batch_mode,
+        "preprocess_policy": details.get("preprocess", "?"),
+    }
+
+
 def build_public(
     spec: AttentionSpec,
     params: FMHAParams,
@@ -134,6 +146,7 @@ def build_public(
     synchronize(params.device)
     prepare_ms = time_host(lambda: impl.prepare(params), iters=prepare_iters, device=params.device)
     plan = impl.prepare(params)
+    details = with_batch_preprocess(details, plan.preprocess)
 
     def run(qkv: torch.Tensor) -> torch.Tensor:
         return impl.forward(qkv, plan)

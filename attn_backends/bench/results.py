@@ -376,7 +376,7 @@ def evaluate_targets(work: WorkloadResult) -> list[TargetResult]:
 
 @dataclass(frozen=True)
 class RopeCost:
-    """Issue 6: what RoPE adds to attention on one workload."""
+    """What RoPE adds to attention on one workload (the pre-processing target)."""
 
     api_ms: float
     preprocess: str

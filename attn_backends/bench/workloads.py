@@ -16,7 +16,7 @@ from attn_backends import AttentionSpec
 from attn_backends._presets import PRESETS
 
 API_WITHIN = 1.05
-"""Public API time over the fastest correct backend time, on every workload (issue 3)."""
+"""Public API time over the fastest correct backend time, on every workload."""
 
 
 @dataclass(frozen=True)

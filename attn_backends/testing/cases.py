@@ -35,6 +35,9 @@ class ConformanceCase:
     lengths: tuple[int, ...] = VARLEN
     padding_rows: int = 0
     form: InputForm = "plain"
+    expect_fused: bool | None = None
+    """For a backend that fuses RoPE up to a length: whether this batch must run fused (True)
+    or the separate pass (False); ``None``: not checked."""
 
 
 @dataclass(frozen=True)
@@ -142,6 +145,15 @@ def conformance_cases(caps: Capabilities) -> list[ConformanceCase]:
             )
     if caps.headwise:
         cases.append(ConformanceCase(f"{tag}-headwise-mixed-lengths", base, lengths=(5, 17, 7, 33)))
+    limit = caps.fused_rope_max_seqlen
+    if caps.fused_rope and limit is not None and base.rope_fusable:
+        # Both sides of the per-batch fusion limit, the limit itself included.
+        cases += [
+            ConformanceCase(f"{tag}-fused-rope-at-limit", base, (limit, 3, 1), expect_fused=True),
+            ConformanceCase(
+                f"{tag}-past-fused-rope-limit", base, (limit + 1, 2), expect_fused=False
+            ),
+        ]
     return cases
 
 

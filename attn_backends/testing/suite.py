@@ -91,6 +91,13 @@ def run_case(
     )
     data = make_qkv(case, device, _seed(f"{backend}/{case.id}"))
     plan = sel.backend.prepare(params)
+    if case.expect_fused is not None:
+        fused = plan.preprocess == "fused"
+        assert fused == case.expect_fused, (
+            f"lengths up to {max(case.lengths)}: expected "
+            f"{'fused RoPE' if case.expect_fused else 'the separate pass'}, plan has "
+            f"preprocess={plan.preprocess}"
+        )
     out = sel.backend.forward(data.qkv, plan)
     tokens = params.token_q_num
     assert tuple(out.shape) == (tokens, spec.q_width)
@@ -100,6 +107,8 @@ def run_case(
     err = relative_error(out, ref)
     assert err < TOLERANCE[spec.dtype], f"relative error {err:.3g} >= {TOLERANCE[spec.dtype]}"
     _check_untouched(spec, data, tokens)
+    if plan.preprocess == "fused":
+        assert torch.equal(data.packed, data.pristine), "fused RoPE must leave the input as it was"
     return err
 
 
