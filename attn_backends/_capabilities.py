@@ -105,6 +105,14 @@ class Capabilities:
     """Optional libraries (import names) the kernel needs."""
     priority: tuple[PriorityRule, ...] = field(default=())
 
+    def __post_init__(self) -> None:
+        limit = self.fused_rope_max_seqlen
+        if limit is not None and (not self.fused_rope or not isinstance(limit, int) or limit < 1):
+            raise ValueError(
+                f"fused_rope_max_seqlen={limit!r}: give a positive int together with "
+                "fused_rope=True, or None"
+            )
+
     @property
     def fp8(self) -> bool:
         return any(dtype.is_floating_point and dtype.itemsize == 1 for dtype in self.dtypes)

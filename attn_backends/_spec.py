@@ -225,7 +225,7 @@ class AttentionSpec:
     @property
     def rope_fusable(self) -> bool:
         """The spec's pre-processing is RoPE alone that a fused-RoPE kernel computes:
-        rotate-half over the whole head, no logn, 16-bit input."""
+        rotate-half over the whole head, no logn, input not FP8."""
         return (
             self.rope is not None
             and not self.rope.interleaved

@@ -63,40 +63,34 @@ def _toy_modules(jit_dir: Path, names: list[str]) -> Path:
     return combined
 
 
+@pytest.fixture
+def built(tmp_path: Path) -> Path:
+    """Two toy modules after one combined ninja run; returns the JIT directory."""
+    jit_dir = tmp_path / "jit"
+    combined = _toy_modules(jit_dir, ["one", "two"])
+    subprocess.run(
+        ["ninja", "-C", str(jit_dir), "-f", str(combined)], check=True, capture_output=True
+    )
+    return jit_dir
+
+
 def test_without_the_records_each_module_would_compile_again(
-    prebuild: ModuleType, tmp_path: Path
+    prebuild: ModuleType, built: Path
 ) -> None:
-    jit_dir = tmp_path / "jit"
-    combined = _toy_modules(jit_dir, ["one", "two"])
-    subprocess.run(
-        ["ninja", "-C", str(jit_dir), "-f", str(combined)], check=True, capture_output=True
-    )
-    assert prebuild.pending_steps(jit_dir / "one") == 2  # the failure the hand-over prevents
+    assert prebuild.pending_steps(built / "one") == 2  # the failure the hand-over prevents
 
 
-def test_handed_over_records_leave_nothing_to_build(prebuild: ModuleType, tmp_path: Path) -> None:
-    jit_dir = tmp_path / "jit"
-    combined = _toy_modules(jit_dir, ["one", "two"])
-    subprocess.run(
-        ["ninja", "-C", str(jit_dir), "-f", str(combined)], check=True, capture_output=True
-    )
-    prebuild.hand_over_records(jit_dir, [jit_dir / "one", jit_dir / "two"])
-    assert prebuild.pending_steps(jit_dir / "one") == 0
-    assert prebuild.pending_steps(jit_dir / "two") == 0
+def test_handed_over_records_leave_nothing_to_build(prebuild: ModuleType, built: Path) -> None:
+    prebuild.hand_over_records(built, [built / "one", built / "two"])
+    assert prebuild.pending_steps(built / "one") == 0
+    assert prebuild.pending_steps(built / "two") == 0
 
 
-def test_handed_over_records_still_see_a_changed_header(
-    prebuild: ModuleType, tmp_path: Path
-) -> None:
-    jit_dir = tmp_path / "jit"
-    combined = _toy_modules(jit_dir, ["one", "two"])
-    subprocess.run(
-        ["ninja", "-C", str(jit_dir), "-f", str(combined)], check=True, capture_output=True
-    )
-    prebuild.hand_over_records(jit_dir, [jit_dir / "one", jit_dir / "two"])
-    header = tmp_path / "src" / "one.h"
+def test_handed_over_records_still_see_a_changed_header(prebuild: ModuleType, built: Path) -> None:
+    prebuild.hand_over_records(built, [built / "one", built / "two"])
+    header = built.parent / "src" / "one.h"
     header.write_text("#define VALUE 2\n")
     stamp = header.stat().st_mtime_ns + 5_000_000_000  # clearly newer than the object
     os.utime(header, ns=(stamp, stamp))
-    assert prebuild.pending_steps(jit_dir / "one") == 2  # the dependency record is live
-    assert prebuild.pending_steps(jit_dir / "two") == 0
+    assert prebuild.pending_steps(built / "one") == 2  # the dependency record is live
+    assert prebuild.pending_steps(built / "two") == 0

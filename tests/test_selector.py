@@ -3,6 +3,7 @@ reasons, every candidate on record, caching, dry runs."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 
 import pytest
@@ -199,3 +200,32 @@ def test_parse_platform_rejects(text):
 def test_select_rejects_non_spec():
     with pytest.raises(ab.SpecError, match="takes an AttentionSpec"):
         ab.select({"num_heads": 8})  # type: ignore[arg-type]
+
+
+def test_fusion_limit_is_per_batch_and_validated():
+    rope = ab.AttentionSpec(8, 2, 64, torch.float16, True, rope=ab.RopeSpec(1e4))
+    caps = ab.Capabilities(
+        platforms=frozenset({"cuda"}),
+        dtypes=frozenset({torch.float16}),
+        fused_rope=True,
+        fused_rope_max_seqlen=128,
+    )
+    assert caps.fuses_rope(rope, 128) and not caps.fuses_rope(rope, 129)
+    interleaved = dataclasses.replace(rope, rope=ab.RopeSpec(1e4, interleaved=True))
+    assert not caps.fuses_rope(interleaved, 1), "a RoPE the kernel does not compute is never fused"
+    unlimited = dataclasses.replace(caps, fused_rope_max_seqlen=None)
+    assert unlimited.fuses_rope(rope, 1 << 20)
+    assert caps.to_dict()["fused_rope_max_seqlen"] == 128
+    for bad in ({"fused_rope_max_seqlen": 0}, {"fused_rope": False}):
+        with pytest.raises(ValueError, match="fused_rope_max_seqlen"):
+            dataclasses.replace(caps, **bad)
+
+
+def test_priority_rule_can_match_on_fusable_rope():
+    rule = ab.PriorityRule("cuda", 10, rope_fusable=True)
+    cuda = ab.Platform(kind="cuda", arch="sm90")
+    fusable = ab.AttentionSpec(8, 2, 64, torch.float16, True, rope=ab.RopeSpec(1e4))
+    assert rule.matches(fusable, cuda)
+    assert not rule.matches(dataclasses.replace(fusable, rope=None), cuda)
+    assert not rule.matches(dataclasses.replace(fusable, use_logn_attn=True, logn_base=8), cuda)
+    assert "fusable RoPE" in rule.describe()
