@@ -17,6 +17,7 @@ from typing import Literal
 import torch
 
 from . import _native
+from ._dtypes import dtype_name
 from ._params import FMHAParams
 from ._platform import Platform, PlatformKind, detect_platform
 from ._rope import PositionTables, apply_rope_logn, build_position_tables
@@ -95,7 +96,7 @@ def native_refusal(spec: AttentionSpec, platform: Platform) -> str | None:
     if platform.kind not in ("cuda", "rocm"):
         return f"runs on CUDA/ROCm devices, not {platform.kind}"
     if spec.dtype not in _native.NATIVE_DTYPES:
-        return f"serves float32/float16/bfloat16, not {str(spec.dtype).removeprefix('torch.')}"
+        return f"serves float32/float16/bfloat16, not {dtype_name(spec.dtype)}"
     if spec.rotary_dim > _native.MAX_ROTARY_DIM:
         return f"rotary_dim {spec.rotary_dim} > {_native.MAX_ROTARY_DIM}"
     if platform.assumed:
@@ -114,7 +115,7 @@ def flashinfer_refusal(spec: AttentionSpec, platform: Platform) -> str | None:
     if spec.use_logn_attn:
         return "has no logn scaling"
     if spec.dtype not in (torch.float16, torch.bfloat16):
-        return f"serves float16/bfloat16, not {str(spec.dtype).removeprefix('torch.')}"
+        return f"serves float16/bfloat16, not {dtype_name(spec.dtype)}"
     if spec.head_dim not in FLASHINFER_HEAD_DIMS:
         return f"head_dim {spec.head_dim} is not one of 64, 128, 256, 512"
     # One thread rotates a 16-byte vector (or head_dim / 32 elements, if more); a vector must

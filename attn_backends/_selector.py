@@ -12,6 +12,7 @@ from typing import Literal
 import torch
 
 from ._canary import CANARY_OFF, CanaryResult, run_canary
+from ._dtypes import dtype_name
 from ._errors import NoBackendError, PlatformError, SpecError
 from ._flags import derive_need_rope_kv_cache
 from ._platform import Platform, detect_platform, parse_platform
@@ -154,7 +155,7 @@ def _spec_line(spec: AttentionSpec) -> str:
         rope = f"theta={spec.rope.theta:g} {style} rotary_dim={spec.rotary_dim}"
     return (
         f"heads {spec.num_heads}/{spec.num_kv_heads} x {spec.head_dim}, "
-        f"{str(spec.dtype).removeprefix('torch.')}, "
+        f"{dtype_name(spec.dtype)}, "
         f"{'causal' if spec.causal else 'bidirectional'}, rope {rope}, "
         f"logn {spec.logn_base if spec.use_logn_attn else 'off'}"
         + (", MLA" if spec.use_mla else "")

@@ -34,6 +34,7 @@ from attn_backends import (
     relative_error,
     select,
 )
+from attn_backends._dtypes import dtype_name
 
 from .paths import (
     PreparedPath,
@@ -118,7 +119,7 @@ def collect_meta(config: BenchConfig, device: torch.device) -> dict[str, object]
         "cuda": torch.version.cuda,
         "hip": torch.version.hip,
         "flashinfer": _version("flashinfer-python"),
-        "dtype": str(config.dtype).removeprefix("torch."),
+        "dtype": dtype_name(config.dtype),
         "iters": config.iters,
         "warmup": config.warmup,
         "seed": config.seed,

@@ -84,10 +84,6 @@ class JitModule:
         return f"{self.kind} {self.dtype} d{self.head_dim} posenc={posenc}"
 
 
-def dtype_str(dtype: torch.dtype) -> str:
-    return str(dtype).removeprefix("torch.")
-
-
 def nonempty_lengths(lengths: tuple[int, ...]) -> tuple[int, ...]:
     """Sequence lengths without the empty ones: they own no rows, so dropping them changes no
     offset, and the kernels never see a zero-length request."""

@@ -27,6 +27,7 @@ from attn_backends import (
     ReasonCode,
     hookimpl,
 )
+from attn_backends._dtypes import dtype_name
 
 from ._aiter_common import NATIVE_FP8, AiterVarlenBackend, EntryPoint, local_cu_count
 
@@ -39,10 +40,6 @@ On any other CU count the kernel is never loaded (aiter_meta/hsa/gfx942/fmha_v3_
 
 FP8_HEAD_DIM = 128
 """The only head dim aiter builds FP8 (fp8bf16) varlen kernels for (CK fmha_fwd.py receipt 200)."""
-
-
-def _name(dtype: torch.dtype) -> str:
-    return str(dtype).removeprefix("torch.")
 
 
 class AiterAsmBackend(AiterVarlenBackend):
@@ -110,16 +107,16 @@ class AiterNonAsmBackend(AiterVarlenBackend):
         native = NATIVE_FP8.get(platform.arch or "")
         if platform.kind == "rocm" and native != spec.dtype:
             allowed = (
-                f"{_name(native)} on {platform.arch}"
+                f"{dtype_name(native)} on {platform.arch}"
                 if native is not None
-                else ", ".join(f"{_name(d)} on {a}" for a, d in sorted(NATIVE_FP8.items()))
+                else ", ".join(f"{dtype_name(d)} on {a}" for a, d in sorted(NATIVE_FP8.items()))
             )
             reasons.append(
                 Reason(
                     ReasonCode.FP8,
                     "aiter builds its FP8 kernels for the arch's own FP8 format only",
                     "dtype",
-                    f"{_name(spec.dtype)} on {platform.arch}",
+                    f"{dtype_name(spec.dtype)} on {platform.arch}",
                     allowed,
                 )
             )

@@ -46,6 +46,7 @@ from attn_backends import (
     hookimpl,
 )
 from attn_backends._contract import preprocess_mode
+from attn_backends._dtypes import dtype_name
 
 from ._flashinfer_common import (
     PREFILL_HEAD_DIMS,
@@ -55,7 +56,6 @@ from ._flashinfer_common import (
     KernelChoice,
     choose_kernel,
     device_sm,
-    dtype_str,
     host_indptr,
     nonempty_lengths,
     realigned,
@@ -167,7 +167,7 @@ class FlashinferBackend(PrefillBackend):
         """The flashinfer JIT modules this backend loads for ``spec`` on an ``sm`` device."""
         return tuple(
             JitModule(
-                choose_kernel(spec, sm, fused).backend, dtype_str(spec.dtype), spec.head_dim, fused
+                choose_kernel(spec, sm, fused).backend, dtype_name(spec.dtype), spec.head_dim, fused
             )
             for fused in self._fusion_cases(spec)
         )

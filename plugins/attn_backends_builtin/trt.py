@@ -40,12 +40,12 @@ from attn_backends import (
     QKVViews,
     hookimpl,
 )
+from attn_backends._dtypes import dtype_name
 
 from ._flashinfer_common import (
     SIXTEEN_BIT,
     DeviceBuffers,
     JitModule,
-    dtype_str,
     nonempty_lengths,
     prefix_sums,
     realigned,
@@ -123,7 +123,7 @@ class TrtBackend(PrefillBackend):
 
     def jit_modules(self, spec: AttentionSpec, sm: int) -> tuple[JitModule, ...]:
         """The flashinfer JIT module this backend loads: one per (layout, dtype)."""
-        return (JitModule("fmha_v2", dtype_str(spec.dtype), None),)
+        return (JitModule("fmha_v2", dtype_name(spec.dtype), None),)
 
     def plan_kernel(self, spec: AttentionSpec, params: FMHAParams, *, fused_rope: bool) -> TrtPlan:
         device = params.device

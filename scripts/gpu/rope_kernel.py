@@ -36,6 +36,7 @@ import torch
 
 from attn_backends import AttentionSpec, FMHAParams, RopeSpec, reference_attention, select
 from attn_backends import _native as native
+from attn_backends._dtypes import dtype_name
 from attn_backends._errors import NativeBuildError
 from attn_backends._preprocess import (
     _apply_flashinfer,
@@ -111,7 +112,7 @@ def numeric_cases(dtypes: tuple[torch.dtype, ...], *, long: bool = True) -> list
     layouts = (("plain", 0, 0), ("strided", 24, 8), ("misaligned", 3, 1))
     cases: list[Case] = []
     for dtype in dtypes:
-        tag = str(dtype).removeprefix("torch.")
+        tag = dtype_name(dtype)
         for vname, kw in variants:
             for logn in (None, 16):
                 if vname == "norope" and logn is None:
