@@ -94,25 +94,19 @@ class AiterPlan:
     entry: EntryPoint
     kernel: Callable[..., Any]
     """The aiter function; ``Any`` because aiter ships no type information."""
-    cu_seqlens_q: torch.Tensor
-    cu_seqlens_k: torch.Tensor
-    max_seqlen_q: int
-    max_seqlen_k: int
-    token_q_num: int
-    token_kv_num: int
     softmax_scale: float
     options: dict[str, object]
     """Keyword arguments after the first seven, fixed for the batch (see `kernel_options`)."""
 
 
-def _checked_cu_seqlens(name: str, cu: torch.Tensor, device: torch.device) -> torch.Tensor:
+def _check_cu_seqlens(params: FMHAParams) -> None:
     """aiter's C++ checks (int32, contiguous, on Q's device) turned into a named error up front."""
-    if cu.dtype != torch.int32 or not cu.is_contiguous() or cu.device != device:
-        raise ParamsError(
-            f"{name} must be a contiguous int32 tensor on {device} for aiter, got "
-            f"{cu.dtype} on {cu.device}; build FMHAParams with FMHAParams.from_lengths"
-        )
-    return cu
+    for name, cu in (("cu_seqlens_q", params.cu_seqlens_q), ("cu_seqlens_k", params.cu_seqlens_k)):
+        if cu.dtype != torch.int32 or not cu.is_contiguous() or cu.device != params.device:
+            raise ParamsError(
+                f"{name} must be a contiguous int32 tensor on {params.device} for aiter, got "
+                f"{cu.dtype} on {cu.device}; build FMHAParams with FMHAParams.from_lengths"
+            )
 
 
 def kernel_options(entry: EntryPoint, softmax_scale: float, causal: bool) -> dict[str, object]:
@@ -142,7 +136,7 @@ def kernel_options(entry: EntryPoint, softmax_scale: float, causal: bool) -> dic
 
 
 def make_plan(entry: EntryPoint, spec: AttentionSpec, params: FMHAParams) -> AiterPlan:
-    """Import aiter, look up ``entry`` and fix the per-batch arguments."""
+    """Import aiter, look up ``entry``, check the offsets and fix the per-batch arguments."""
     aiter = import_aiter()
     try:
         kernel = cast(Callable[..., Any], getattr(aiter, entry))
@@ -151,19 +145,9 @@ def make_plan(entry: EntryPoint, spec: AttentionSpec, params: FMHAParams) -> Ait
             f"this aiter has no {entry}; the backends were written against amd-aiter "
             f"{AITER_VERSION_CHECKED}"
         ) from exc
+    _check_cu_seqlens(params)
     scale, causal = float(spec.scale), bool(spec.causal)
-    return AiterPlan(
-        entry=entry,
-        kernel=kernel,
-        cu_seqlens_q=_checked_cu_seqlens("cu_seqlens_q", params.cu_seqlens_q, params.device),
-        cu_seqlens_k=_checked_cu_seqlens("cu_seqlens_k", params.cu_seqlens_k, params.device),
-        max_seqlen_q=int(params.max_seqlen_q),
-        max_seqlen_k=int(params.max_seqlen_k),
-        token_q_num=int(params.token_q_num),
-        token_kv_num=int(params.token_kv_num),
-        softmax_scale=scale,
-        options=kernel_options(entry, scale, causal),
-    )
+    return AiterPlan(entry, kernel, scale, kernel_options(entry, scale, causal))
 
 
 class AiterVarlenBackend(PrefillBackend):
@@ -188,18 +172,19 @@ class AiterVarlenBackend(PrefillBackend):
             )
         if entry == "flash_attn_varlen_fp8_pertensor_func":
             details["fp8_descale"] = (
-                "q and k scales folded into softmax_scale (read to the host each forward); "
-                "v scale applied to the output"
+                "q and k scales folded into softmax_scale (Python-float scales cost nothing, "
+                "device-tensor scales are read to the host each forward); v scale applied to "
+                "the output"
             )
         return details
 
     def attend(self, views: QKVViews, plan: PrefillPlan) -> torch.Tensor:
-        """One aiter launch on views trimmed to the batch's valid tokens."""
+        """One aiter launch on the views (the contract trims them to the valid tokens)."""
         p = cast(AiterPlan, plan.kernel)
-        q = views.q[: p.token_q_num]
-        k = views.k[: p.token_kv_num]
-        v = views.v[: p.token_kv_num]
-        head = (q, k, v, p.cu_seqlens_q, p.cu_seqlens_k, p.max_seqlen_q, p.max_seqlen_k)
+        b = plan.params
+        # aiter type-checks with isinstance: the lengths go over as Python ints.
+        lengths = (int(b.max_seqlen_q), int(b.max_seqlen_k))
+        head = (views.q, views.k, views.v, b.cu_seqlens_q, b.cu_seqlens_k, *lengths)
         if p.entry == "flash_attn_varlen_fp8_pertensor_func":
             scales = views.fp8_scales
             if scales is None:
