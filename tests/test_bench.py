@@ -66,11 +66,11 @@ def test_workloads_are_the_five_model_shapes():
             w.batch,
             w.min_len,
             w.max_len,
-            w.num_heads,
-            w.num_kv_heads,
-            w.head_dim,
-            w.causal,
-            w.rope_theta,
+            w.spec().num_heads,
+            w.spec().num_kv_heads,
+            w.spec().head_dim,
+            w.spec().causal,
+            w.to_dict()["rope_theta"],
         )
         for w in WORKLOADS
     }
@@ -85,7 +85,7 @@ def test_workloads_are_the_five_model_shapes():
     for w in WORKLOADS:
         spec = w.spec()
         assert spec.dtype == torch.bfloat16
-        assert (spec.rope is not None) == (w.rope_theta is not None)
+        assert (spec.rope is not None) == (w.to_dict()["rope_theta"] is not None)
         if spec.rope is not None:
             assert spec.rope.theta == 1e6
             assert spec.rotary_dim == spec.head_dim

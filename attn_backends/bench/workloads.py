@@ -73,54 +73,34 @@ class Workload:
     def spec(self, dtype: torch.dtype = torch.bfloat16) -> AttentionSpec:
         return replace(PRESETS[self.preset], dtype=dtype)
 
-    @property
-    def num_heads(self) -> int:
-        return PRESETS[self.preset].num_heads
-
-    @property
-    def num_kv_heads(self) -> int:
-        return PRESETS[self.preset].num_kv_heads
-
-    @property
-    def head_dim(self) -> int:
-        return PRESETS[self.preset].head_dim
-
-    @property
-    def causal(self) -> bool:
-        return PRESETS[self.preset].causal
-
-    @property
-    def rope_theta(self) -> float | None:
-        """Rotate-half RoPE over the whole head with this base; ``None``: no RoPE."""
-        rope = PRESETS[self.preset].rope
-        return rope.theta if rope is not None else None
-
     def shape_text(self) -> str:
         """``32 x 512, 12/12 heads x 64, bidirectional, no RoPE``."""
+        layer = PRESETS[self.preset]
         lengths = (
             f"{self.batch} x {self.max_len}"
             if not self.varlen
             else f"{self.batch} seqs of {self.min_len}..{self.max_len}"
         )
-        rope = f"RoPE theta {self.rope_theta:g}" if self.rope_theta is not None else "no RoPE"
-        mask = "causal" if self.causal else "bidirectional"
+        rope = f"RoPE theta {layer.rope.theta:g}" if layer.rope is not None else "no RoPE"
+        mask = "causal" if layer.causal else "bidirectional"
         return (
-            f"{lengths}, {self.num_heads}/{self.num_kv_heads} heads x {self.head_dim}, "
+            f"{lengths}, {layer.num_heads}/{layer.num_kv_heads} heads x {layer.head_dim}, "
             f"{mask}, {rope}"
         )
 
     def to_dict(self) -> dict[str, object]:
+        layer = PRESETS[self.preset]
         return {
             "name": self.name,
             "title": self.title,
             "batch": self.batch,
             "min_len": self.min_len,
             "max_len": self.max_len,
-            "num_heads": self.num_heads,
-            "num_kv_heads": self.num_kv_heads,
-            "head_dim": self.head_dim,
-            "causal": self.causal,
-            "rope_theta": self.rope_theta,
+            "num_heads": layer.num_heads,
+            "num_kv_heads": layer.num_kv_heads,
+            "head_dim": layer.head_dim,
+            "causal": layer.causal,
+            "rope_theta": layer.rope.theta if layer.rope is not None else None,
         }
 
 
