@@ -11,6 +11,7 @@ import torch
 from attn_backends_builtin import torch_sdpa
 
 import attn_backends as ab
+from tests.static_plugin import StaticPlugin
 
 SPEC = ab.AttentionSpec(4, 2, 32, torch.float32, causal=True)
 THREADS = 16
@@ -69,15 +70,6 @@ class _Counting(torch_sdpa.TorchSdpaBackend):
         return super().prepare(params)
 
 
-class _Plugin:
-    def __init__(self, *backends: ab.NoCachePrefill) -> None:
-        self.backends = backends
-
-    @ab.hookimpl
-    def attn_backends_register(self, host_api_version: str) -> ab.PluginManifest:
-        return ab.PluginManifest(api_version="1.0", backends=list(self.backends))
-
-
 def _renamed(name: str) -> ab.NoCachePrefill:
     cls = type(f"Backend_{name}", (torch_sdpa.TorchSdpaBackend,), {"name": name})
     backend: ab.NoCachePrefill = cls()
@@ -87,7 +79,7 @@ def _renamed(name: str) -> ab.NoCachePrefill:
 def test_concurrent_select_gives_one_decision_and_one_canary() -> None:
     reg = ab.Registry()
     reg.register_plugin(torch_sdpa, name="torch-sdpa")
-    reg.register_plugin(_Plugin(_Counting()), name="counting")
+    reg.register_plugin(StaticPlugin(_Counting()), name="counting")
     ab.clear_selection_cache()
     _Counting.prepared = 0
     results = _in_threads(
@@ -110,7 +102,7 @@ def test_concurrent_registrations_are_neither_lost_nor_torn() -> None:
     def work(i: int) -> list[ab.Selection]:
         if i < writers:
             for j in range(per_thread):
-                record = reg.register_plugin(_Plugin(_renamed(f"b{i}-{j}")), name=f"p{i}-{j}")
+                record = reg.register_plugin(StaticPlugin(_renamed(f"b{i}-{j}")), name=f"p{i}-{j}")
                 assert record.status == "loaded"
             return []
         return [ab.select(SPEC, platform="cpu", registry=reg) for _ in range(per_thread)]
@@ -130,7 +122,7 @@ def test_concurrent_registrations_are_neither_lost_nor_torn() -> None:
 def test_racing_for_one_backend_name_leaves_exactly_one_owner() -> None:
     reg = ab.Registry()
     results = _in_threads(
-        THREADS, lambda i: reg.register_plugin(_Plugin(_renamed("racer")), name=f"racer-{i}")
+        THREADS, lambda i: reg.register_plugin(StaticPlugin(_renamed("racer")), name=f"racer-{i}")
     )
     records = [r for r in results if isinstance(r, ab.PluginRecord)]
     loaded = [r for r in records if r.status == "loaded"]

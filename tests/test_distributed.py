@@ -20,6 +20,7 @@ from attn_backends_builtin import torch_sdpa
 from torch.multiprocessing.spawn import start_processes
 
 import attn_backends as ab
+from tests.static_plugin import StaticPlugin
 
 WORLD = 2
 SPEC = ab.AttentionSpec(4, 2, 32, torch.float32, causal=True)
@@ -38,12 +39,6 @@ class _CudaOnly(torch_sdpa.TorchSdpaBackend):
         dtypes=frozenset({torch.float32}),
         priority=(ab.PriorityRule("cuda", 50),),
     )
-
-
-class _Plugin:
-    @ab.hookimpl
-    def attn_backends_register(self, host_api_version: str) -> ab.PluginManifest:
-        return ab.PluginManifest(api_version="1.0", backends=[_CudaOnly()])
 
 
 def _outcome(run: Callable[[], object]) -> dict[str, object]:
@@ -70,7 +65,7 @@ def _worker(rank: int, store: str, out_dir: str) -> None:
     )
     reg = ab.Registry()
     reg.register_plugin(torch_sdpa, name="torch-sdpa")
-    reg.register_plugin(_Plugin(), name="vendor")
+    reg.register_plugin(StaticPlugin(_CudaOnly()), name="vendor")
     same = ab.select(SPEC, platform="cpu", registry=reg)
     # rank 1 sees another platform (a dry run for sm90 here; a different GPU in real life)
     mine = ab.select(SPEC, platform="cuda:sm90" if rank == 1 else "cpu", registry=reg)

@@ -18,6 +18,7 @@ from attn_backends_builtin import torch_sdpa
 import attn_backends as ab
 from attn_backends import cli
 from tests.plugin_site import PluginSite, open_site
+from tests.static_plugin import StaticPlugin
 
 SPEC = ab.AttentionSpec(4, 2, 32, torch.float32, causal=True, rope=ab.RopeSpec(1e4))
 
@@ -181,15 +182,6 @@ def test_a_plugin_name_registered_twice_keeps_the_first() -> None:
 # ---- faults of a backend that registered fine -------------------------------------------------
 
 
-class _Plugin:
-    def __init__(self, backend: ab.NoCachePrefill) -> None:
-        self.backend = backend
-
-    @ab.hookimpl
-    def attn_backends_register(self, host_api_version: str) -> ab.PluginManifest:
-        return ab.PluginManifest(api_version="1.0", backends=[self.backend])
-
-
 _EAGER = ab.Capabilities(
     platforms=frozenset({"cpu"}),
     dtypes=frozenset({torch.float32}),
@@ -228,7 +220,7 @@ class _WrongNumbers(torch_sdpa.TorchSdpaBackend):
 def _with(backend: ab.NoCachePrefill) -> ab.Registry:
     reg = ab.Registry()
     reg.register_plugin(torch_sdpa, name="torch-sdpa")
-    reg.register_plugin(_Plugin(backend), name=f"vendor-{backend.name}")
+    reg.register_plugin(StaticPlugin(backend), name=f"vendor-{backend.name}")
     return reg
 
 

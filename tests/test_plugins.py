@@ -14,6 +14,7 @@ from attn_backends_builtin import torch_sdpa
 import attn_backends as ab
 from attn_backends import testing
 from tests.plugin_site import PluginSite, open_site
+from tests.static_plugin import StaticPlugin
 
 EXAMPLE = Path(__file__).resolve().parents[1] / "plugins" / "example-backend"
 EXAMPLE_DIST = ("attn-backends-example", "0.1.0")
@@ -213,17 +214,6 @@ def test_disable_list_blocks_a_plugin_at_load(
     assert reg.get("example-matmul") is None
 
 
-class _Plugin:
-    """An in-process plugin object, registered with `Registry.register_plugin`."""
-
-    def __init__(self, *backends: ab.NoCachePrefill) -> None:
-        self.backends = backends
-
-    @ab.hookimpl
-    def attn_backends_register(self, host_api_version: str) -> ab.PluginManifest:
-        return ab.PluginManifest(api_version="1.0", backends=list(self.backends))
-
-
 class _SecondChoice(torch_sdpa.TorchSdpaBackend):
     name = "second-choice"
     capabilities = ab.Capabilities(
@@ -237,7 +227,7 @@ def test_disabled_backend_is_a_rejected_candidate_and_env_keys_the_cache(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     reg = _sdpa_registry()
-    reg.register_plugin(_Plugin(_SecondChoice()), name="vendor")
+    reg.register_plugin(StaticPlugin(_SecondChoice()), name="vendor")
     assert ab.select(SPEC, platform="cpu", registry=reg).name == "torch-sdpa"
     monkeypatch.setenv("ATTN_BACKENDS_DISABLE", "torch-sdpa")
     sel = ab.select(SPEC, platform="cpu", registry=reg)  # same registry, same cache
@@ -310,7 +300,7 @@ def test_strict_mode_skips_the_canary_on_a_dry_run_platform() -> None:
 def test_strict_canary_for_fp8_specs_uses_the_request_dtype() -> None:
     spec = ab.AttentionSpec(4, 4, 32, torch.float8_e4m3fn, causal=False)
     reg = _sdpa_registry()
-    reg.register_plugin(_Plugin(_Fp8Sdpa()), name="fp8")
+    reg.register_plugin(StaticPlugin(_Fp8Sdpa()), name="fp8")
     sel = ab.select(spec, backend="fp8-sdpa", device="cpu", strict=True, registry=reg)
     assert sel.canary.status == "passed", sel.canary.detail
     assert "float8_e4m3fn" in sel.canary.detail

@@ -10,6 +10,7 @@ import pytest
 import torch
 
 import attn_backends as ab
+from tests.static_plugin import StaticPlugin
 
 SPEC = ab.AttentionSpec(8, 2, 64, torch.bfloat16, causal=True, rope=ab.RopeSpec(1e6))
 
@@ -33,20 +34,11 @@ def make_backend(name, *, platforms=("cpu",), dtypes=(torch.bfloat16,), priority
     return _Backend()
 
 
-class Plugin:
-    def __init__(self, *backends):
-        self.backends = backends
-
-    @ab.hookimpl
-    def attn_backends_register(self, host_api_version):
-        return ab.PluginManifest(api_version="1.0", backends=list(self.backends))
-
-
 @pytest.fixture
 def registry():
     reg = ab.Registry()
     reg.register_plugin(
-        Plugin(
+        StaticPlugin(
             make_backend(
                 "fast",
                 priority=[ab.PriorityRule("cpu", 50, gqa=True, note="measured")],
@@ -148,7 +140,7 @@ def test_decisions_are_cached_per_key(registry):
     a = ab.select(SPEC, platform="cpu", registry=registry)
     assert ab.select(SPEC, platform="cpu", registry=registry) is a
     assert ab.select(SPEC, platform="cpu", registry=registry, backend="slow") is not a
-    registry.register_plugin(Plugin(make_backend("late")), name="late-plugin")
+    registry.register_plugin(StaticPlugin(make_backend("late")), name="late-plugin")
     b = ab.select(SPEC, platform="cpu", registry=registry)
     assert b is not a and b.name == a.name
 
