@@ -25,6 +25,7 @@ import json
 import sys
 from dataclasses import replace
 from pathlib import Path
+from typing import NamedTuple
 
 import torch
 from attn_backends_builtin.flashinfer import FlashinferBackend, FlashinferRopeBackend
@@ -35,6 +36,18 @@ from attn_backends.bench.timing import input_set_count, time_steps
 LENGTHS = (32, 64, 96, 128, 192, 256, 384, 512, 768, 1024, 2048)
 TOKENS = 16384
 TOLERANCE = 2e-2
+
+
+class Measured(NamedTuple):
+    ms: float
+    """Median per forward."""
+    rel_err: float
+    preprocess: str
+    """The pre-processing the plan ran (``fused`` or the separate pass)."""
+
+
+def batch_size(length: int, tokens: int = TOKENS) -> int:
+    return max(1, tokens // length)
 
 
 class AlwaysFused(FlashinferRopeBackend):
@@ -51,9 +64,9 @@ def measure(
     seed: int,
     device: torch.device,
     tokens: int = TOKENS,
-) -> dict[str, object]:
-    """Check one path against the reference, then time it (median ms)."""
-    lengths = [length] * max(1, tokens // length)
+) -> Measured:
+    """Check one path against the reference, then time it."""
+    lengths = [length] * batch_size(length, tokens)
     params = FMHAParams.from_lengths(lengths, device=device)
     bound = backend.bind(spec)
     plan = bound.prepare(params)
@@ -75,7 +88,7 @@ def measure(
         device=device,
         input_sets=len(sets),
     )
-    return {"ms": timing.median_ms, "rel_err": error, "preprocess": plan.preprocess}
+    return Measured(timing.median_ms, error, plan.preprocess)
 
 
 def main() -> int:
@@ -88,38 +101,37 @@ def main() -> int:
         return 2
     spec = AttentionSpec(16, 8, 128, torch.bfloat16, causal=True, rope=RopeSpec(1e6))
     plain = replace(spec, rope=None)
+    cuda = torch.device("cuda")
     rows: list[dict[str, object]] = []
+    wins: list[int] = []
     print(
         f"{'length':>6} {'batch':>5} {'fused ms':>9} {'separate':>9} {'attention':>9} "
         f"{'fused/sep':>9} {'sep/attn':>8} {'fused/attn':>10}"
     )
     with torch.inference_mode():
         for length in LENGTHS:
-            cuda = torch.device("cuda")
             fused = measure(AlwaysFused(), spec, length, args.iters, length, cuda)
             separate = measure(FlashinferBackend(), spec, length, args.iters, length, cuda)
             alone = measure(FlashinferBackend(), plain, length, args.iters, length, cuda)
-            ms = {
-                name: float(str(r["ms"]))
-                for name, r in (("f", fused), ("s", separate), ("a", alone))
-            }
-            row = {
-                "length": length,
-                "batch": max(1, TOKENS // length),
-                "fused": fused,
-                "separate": separate,
-                "attention": alone,
-                "fused_over_separate": ms["f"] / ms["s"],
-                "separate_over_attention": ms["s"] / ms["a"],
-                "fused_over_attention": ms["f"] / ms["a"],
-            }
-            rows.append(row)
-            print(
-                f"{length:6d} {row['batch']:5d} {ms['f']:9.4f} {ms['s']:9.4f} "
-                f"{ms['a']:9.4f} {row['fused_over_separate']:9.3f} "
-                f"{row['separate_over_attention']:8.3f} {row['fused_over_attention']:10.3f}"
+            ratios = (fused.ms / separate.ms, separate.ms / alone.ms, fused.ms / alone.ms)
+            rows.append(
+                {
+                    "length": length,
+                    "batch": batch_size(length),
+                    "fused": fused._asdict(),
+                    "separate": separate._asdict(),
+                    "attention": alone._asdict(),
+                    "fused_over_separate": ratios[0],
+                    "separate_over_attention": ratios[1],
+                    "fused_over_attention": ratios[2],
+                }
             )
-    wins = [int(str(r["length"])) for r in rows if float(str(r["fused_over_separate"])) <= 1.0]
+            if ratios[0] <= 1.0:
+                wins.append(length)
+            print(
+                f"{length:6d} {batch_size(length):5d} {fused.ms:9.4f} {separate.ms:9.4f} "
+                f"{alone.ms:9.4f} {ratios[0]:9.3f} {ratios[1]:8.3f} {ratios[2]:10.3f}"
+            )
     crossover = max(wins) if wins else None
     print(f"longest length where fused is no slower than separate: {crossover}")
     print(
