@@ -101,6 +101,15 @@ class Capabilities:
     """With ``fused_rope``: fuse only batches whose longest sequence is at most this many
     tokens; longer batches run the separate pass and the kernel without RoPE (a measured
     crossover; ``None``: every batch is fused)."""
+    cuda_graph: bool = False
+    """``forward`` can be captured in a CUDA graph once per bucket and re-planned in place for
+    every batch that fits it (`PrefillBackend.prepare_graph`); backends without it are refused
+    for graph mode with a ``cuda_graph`` reason."""
+    fp8_preprocess: bool = False
+    """With FP8 input and RoPE or logn: the backend applies them before quantising (or on
+    dequantised values). Without it such a spec is refused: rotating stored FP8 values in place
+    and writing them back as FP8 loses the scales' range (NaN in e4m3fnuz, saturation in
+    e4m3fn)."""
     requires: tuple[str, ...] = ()
     """Optional libraries (import names) the kernel needs."""
     priority: tuple[PriorityRule, ...] = field(default=())
@@ -144,6 +153,8 @@ class Capabilities:
             "headwise": self.headwise,
             "fused_rope": self.fused_rope,
             "fused_rope_max_seqlen": self.fused_rope_max_seqlen,
+            "cuda_graph": self.cuda_graph,
+            "fp8_preprocess": self.fp8_preprocess,
             "fp8": self.fp8,
             "requires": list(self.requires),
             "priority": [rule.describe() + f" -> {rule.score}" for rule in self.priority],
@@ -219,6 +230,23 @@ def check_capabilities(caps: Capabilities, spec: AttentionSpec, platform: Platfo
         reasons.append(
             Reason(
                 code, "input dtype not served", "dtype", dtype_name(spec.dtype), _names(caps.dtypes)
+            )
+        )
+    if spec.is_fp8 and (spec.rope is not None or spec.use_logn_attn) and not caps.fp8_preprocess:
+        applied = " and ".join(
+            name
+            for name, on in (("RoPE", spec.rope is not None), ("logn", spec.use_logn_attn))
+            if on
+        )
+        reasons.append(
+            Reason(
+                ReasonCode.FP8,
+                f"{applied} on FP8 input would rotate the stored FP8 values in place and write "
+                "them back as FP8; apply them before quantising, or pick a backend that declares "
+                "fp8_preprocess",
+                "dtype",
+                f"{dtype_name(spec.dtype)} with {applied}",
+                "FP8 without RoPE/logn, or a 16-bit dtype",
             )
         )
     if caps.head_dims is not None and spec.head_dim not in caps.head_dims:

@@ -25,6 +25,7 @@ class ReasonCode(enum.Enum):
     DISABLED = "disabled"
     NOT_RANKED = "not_ranked"
     CANARY_FAILED = "canary_failed"
+    CUDA_GRAPH = "cuda_graph"
     BACKEND_SPECIFIC = "backend_specific"
 
 

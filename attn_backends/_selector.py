@@ -178,6 +178,9 @@ class _Request:
     strict: bool
     canary_device: str | None
     """Where the strict canary runs; None when strict is off or the platform is a dry run."""
+    cuda_graph: bool = False
+    """The caller captures ``forward`` in CUDA graphs (graph mode): only backends that declare
+    ``capabilities.cuda_graph`` qualify."""
 
 
 @dataclass
@@ -225,6 +228,16 @@ def _judge(entry: BackendEntry, req: _Request) -> _Judged:
                 ReasonCode.KV_CACHE_PRESENT,
                 "serves no-KV-cache prefill only; a KV cache is present",
                 "has_kv_cache",
+                "True",
+                "False",
+            )
+        )
+    if req.cuda_graph and not backend.capabilities.cuda_graph:
+        reasons.append(
+            Reason(
+                ReasonCode.CUDA_GRAPH,
+                "cannot be captured in a CUDA graph and re-planned per batch (graph mode)",
+                "cuda_graph",
                 "True",
                 "False",
             )
@@ -308,6 +321,7 @@ def select(
     platform: Platform | str | None = None,
     registry: Registry | None = None,
     strict: bool | None = None,
+    cuda_graph: bool = False,
 ) -> Selection:
     """Pick the no-cache prefill backend for ``spec`` on this machine (or on ``platform``).
 
@@ -322,6 +336,9 @@ def select(
     Raises `KVCacheFlagError` when the RoPE/KV-cache flag contradicts the model,
     `PlatformError` for a device or platform that cannot be used, and `NoBackendError` when
     nothing fits.
+
+    With ``cuda_graph=True`` only backends that can serve graph mode (``capabilities.
+    cuda_graph``: captured once per bucket, re-planned per batch) are candidates.
     """
     if not isinstance(spec, AttentionSpec):
         raise SpecError(f"select() takes an AttentionSpec, got {type(spec).__name__}")
@@ -350,6 +367,7 @@ def select(
         policy=PluginPolicy.from_env(),
         strict=on,
         canary_device=_canary_device(device, plat) if on and not plat.assumed else None,
+        cuda_graph=bool(cuda_graph),
     )
     reg = registry if registry is not None else get_registry()
     snap = reg.snapshot()
