@@ -9,11 +9,20 @@ from __future__ import annotations
 from ._backend import PrefillBackend
 from ._canary import CanaryResult, run_canary
 from ._capabilities import Capabilities, PriorityRule, check_capabilities, check_platform
-from ._contract import Fp8Scales, InputLayout, PrefillPlan, QKVInput, QKVViews, split_views
+from ._contract import (
+    AnyPlan,
+    Fp8Scales,
+    InputLayout,
+    PrefillPlan,
+    QKVInput,
+    QKVViews,
+    split_views,
+)
 from ._distributed import RankDecision, check_consistent_across_ranks, select_across_ranks
 from ._errors import (
     AttentionBackendError,
     BackendFailure,
+    GraphModeError,
     KVCacheFlagError,
     NativeBuildError,
     NoBackendError,
@@ -25,6 +34,7 @@ from ._errors import (
     UnboundBackendError,
 )
 from ._flags import derive_need_rope_kv_cache
+from ._graph import PAD_CHUNK, GraphBucket, GraphPlan
 from ._hooks import ENTRY_POINT_GROUP, PLUGIN_API_VERSION, PluginManifest, hookimpl, hookspec
 from ._params import FMHAParams
 from ._platform import Platform, detect_platform, parse_platform
@@ -39,8 +49,10 @@ __version__ = "0.1.0"
 
 __all__ = [
     "ENTRY_POINT_GROUP",
+    "PAD_CHUNK",
     "PLUGIN_API_VERSION",
     "TOLERANCE",
+    "AnyPlan",
     "AttentionBackendError",
     "AttentionSpec",
     "BackendFailure",
@@ -49,6 +61,9 @@ __all__ = [
     "Capabilities",
     "FMHAParams",
     "Fp8Scales",
+    "GraphBucket",
+    "GraphModeError",
+    "GraphPlan",
     "HeadwiseConfig",
     "InputLayout",
     "KVCacheFlagError",

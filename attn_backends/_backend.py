@@ -3,20 +3,24 @@
 A backend subclass declares ``name`` and ``capabilities`` and writes two small methods:
 ``plan_kernel`` (per batch) and ``attend`` (per layer, on already-checked Q/K/V views). The base
 runs the generic capability checks, the contract, RoPE/logn and output shaping, so a backend
-cannot forget any of them.
+cannot forget any of them. A backend that declares ``capabilities.cuda_graph`` also writes
+``plan_graph_kernel`` and ``replan_graph_kernel`` for graph mode (`prepare_graph`).
+
+A bound backend holds no per-batch state: everything a batch needs lives in its plan, so plans
+prepared by any caller, in any order, never disturb each other.
 """
 
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from collections.abc import Iterator
-from contextlib import contextmanager
 from typing import ClassVar
 
 import torch
 
 from ._capabilities import Capabilities, check_capabilities
 from ._contract import (
+    AnyPlan,
+    BufferMemo,
     Fp8Scales,
     InputLayout,
     PrefillPlan,
@@ -25,26 +29,26 @@ from ._contract import (
     prepare_plan,
     run_forward,
 )
-from ._errors import AttentionBackendError, BackendFailure, ParamsError, UnboundBackendError
+from ._errors import (
+    AttentionBackendError,
+    BackendFailure,
+    GraphModeError,
+    NoBackendError,
+    ParamsError,
+    UnboundBackendError,
+)
+from ._graph import GraphBucket, GraphPlan, slot_lengths
 from ._params import FMHAParams
 from ._platform import Platform
-from ._preprocess import resolve_preprocess
-from ._reasons import Reason
+from ._preprocess import GRAPH_MODES, SEPARATE_MODES, platform_of, resolve_preprocess
+from ._reasons import Reason, ReasonCode
 from ._spec import AttentionSpec
 
 
-@contextmanager
-def _failures_named(backend: str, step: str) -> Iterator[None]:
-    """Re-raise a kernel's own exception as `BackendFailure` (original as ``__cause__``), so
-    callers catch one named error; the library's own errors pass through unchanged."""
-    try:
-        yield
-    except AttentionBackendError:
-        raise
-    except Exception as exc:
-        raise BackendFailure(
-            f"backend {backend} failed in {step}(): {type(exc).__name__}: {exc}"
-        ) from exc
+def _named_failure(backend: str, step: str, exc: Exception) -> BackendFailure:
+    """A kernel's own exception as `BackendFailure` (the original is the cause), so callers
+    catch one named error; the library's own errors pass through unchanged."""
+    return BackendFailure(f"backend {backend} failed in {step}(): {type(exc).__name__}: {exc}")
 
 
 class PrefillBackend(ABC):
@@ -55,6 +59,7 @@ class PrefillBackend(ABC):
 
     def __init__(self, spec: AttentionSpec | None = None) -> None:
         self._spec = spec
+        self._layout: InputLayout = "views" if spec is None else self.input_layout(spec)
 
     @property
     def spec(self) -> AttentionSpec | None:
@@ -93,46 +98,147 @@ class PrefillBackend(ABC):
             )
         return self._spec
 
+    def _refuse_fp8_rotation(self, spec: AttentionSpec, mode: str) -> None:
+        if spec.is_fp8 and mode in SEPARATE_MODES and not self.capabilities.fp8_preprocess:
+            raise NoBackendError(
+                f"{self.name}: RoPE/logn on FP8 input would rotate stored FP8 values in place; "
+                "apply them before quantising, or use a backend that declares fp8_preprocess"
+            )
+
     def prepare(self, params: FMHAParams) -> PrefillPlan:
         spec = self.bound_spec()
         if not isinstance(params, FMHAParams):
             raise ParamsError(f"prepare() takes FMHAParams, got {type(params).__name__}")
         fused = self.capabilities.fuses_rope(spec, params.max_seqlen_q)
-        with _failures_named(self.name, "plan_kernel"):
+        self._refuse_fp8_rotation(
+            spec, resolve_preprocess(spec, platform_of(params.device), fused).mode
+        )
+        try:
             kernel = self.plan_kernel(spec, params, fused_rope=fused)
+        except AttentionBackendError:
+            raise
+        except Exception as exc:
+            raise _named_failure(self.name, "plan_kernel", exc) from exc
         return prepare_plan(self.name, spec, params, fused, kernel)
 
     def forward(
-        self, qkv: QKVInput, plan: PrefillPlan, *, fp8_scales: Fp8Scales | None = None
+        self, qkv: QKVInput, plan: PrefillPlan | GraphPlan, *, fp8_scales: Fp8Scales | None = None
     ) -> torch.Tensor:
+        spec = self._spec
+        if spec is None:
+            spec = self.bound_spec()
         return run_forward(
-            self.name,
-            self.bound_spec(),
-            qkv,
-            plan,
-            fp8_scales,
-            self.input_layout(self.bound_spec()),
-            self._attend_named,
+            self.name, spec, qkv, plan, fp8_scales, self._layout, self.attend, self.accepts_rows
         )
 
-    def _attend_named(self, views: QKVViews, plan: PrefillPlan) -> torch.Tensor:
-        with _failures_named(self.name, "attend"):
-            out = self.attend(views, plan)
-        if not isinstance(out, torch.Tensor):
-            raise BackendFailure(f"backend {self.name} attend() returned {type(out).__name__}")
-        return out
+    def accepts_rows(self, rows: torch.Tensor) -> bool:
+        """Whether the kernel can read these packed rows in place (e.g. an alignment rule); if
+        not, the contract hands it a dense copy. Asked once per plan and buffer signature."""
+        return True
 
     def input_layout(self, spec: AttentionSpec) -> InputLayout:
         """Memory layout the kernel needs; by default from ``capabilities.needs_contiguous``."""
         return "dense-tensors" if self.capabilities.needs_contiguous else "views"
 
-    @abstractmethod
-    def plan_kernel(self, spec: AttentionSpec, params: FMHAParams, *, fused_rope: bool) -> object:
-        """Per-batch kernel planning; ``fused_rope`` says the kernel must apply RoPE itself."""
+    # Graph mode ---------------------------------------------------------------------------
+
+    def graph_reasons(self, spec: AttentionSpec, device: torch.device) -> list[Reason]:
+        """Why this backend cannot serve graph mode for ``spec`` on ``device`` (empty: it can)."""
+        if not self.capabilities.cuda_graph:
+            return [
+                Reason(
+                    ReasonCode.CUDA_GRAPH,
+                    "does not declare graph mode (capture once per bucket, re-plan per batch)",
+                    "cuda_graph",
+                    "True",
+                    "False",
+                )
+            ]
+        return []
+
+    def prepare_graph(
+        self, bucket: GraphBucket, *, device: torch.device | str | None = None
+    ) -> GraphPlan:
+        """A plan for every batch of ``bucket``: capture ``forward`` with it once, then
+        ``plan.update(params)`` per batch and replay. Raises `GraphModeError` with the reasons
+        when this backend cannot serve graph mode for its spec."""
+        spec = self.bound_spec()
+        if not isinstance(bucket, GraphBucket):
+            raise ParamsError(f"prepare_graph() takes a GraphBucket, got {type(bucket).__name__}")
+        try:
+            dev = torch.device(device if device is not None else "cuda")
+        except (RuntimeError, TypeError) as exc:
+            raise ParamsError(f"device {device!r} is not a torch device: {exc}") from None
+        fused = self.capabilities.fuses_rope(spec, bucket.seqlen_limit)
+        mode = resolve_preprocess(spec, platform_of(dev), fused).mode
+        reasons = self.graph_reasons(spec, dev)
+        if mode not in GRAPH_MODES:
+            reasons.append(
+                Reason(
+                    ReasonCode.CUDA_GRAPH,
+                    f"the {mode} RoPE/logn pass takes the token count on the host and cannot be "
+                    "replayed for another batch; graph mode needs the native kernel, fused RoPE "
+                    "or no RoPE/logn",
+                    "preprocess",
+                    mode,
+                    ", ".join(sorted(GRAPH_MODES)),
+                )
+            )
+        if reasons:
+            raise GraphModeError(
+                f"{self.name} cannot serve graph mode here: " + "; ".join(map(str, reasons)),
+                [(self.name, reasons)],
+            )
+        self._refuse_fp8_rotation(spec, mode)
+        try:
+            kernel = self.plan_graph_kernel(spec, bucket, dev, fused_rope=fused)
+            self.replan_graph_kernel(spec, kernel, slot_lengths(bucket, ()))
+        except AttentionBackendError:
+            raise
+        except Exception as exc:
+            raise _named_failure(self.name, "plan_graph_kernel", exc) from exc
+        return GraphPlan(
+            backend=self.name,
+            spec=spec,
+            bucket=bucket,
+            device=dev,
+            preprocess=mode,
+            kernel=kernel,
+            replan=self._replan_graph,
+            memo=BufferMemo(),
+        )
+
+    def _replan_graph(self, plan: GraphPlan, slots: tuple[int, ...]) -> None:
+        try:
+            self.replan_graph_kernel(plan.spec, plan.kernel, slots)
+        except AttentionBackendError:
+            raise
+        except Exception as exc:
+            raise _named_failure(self.name, "replan_graph_kernel", exc) from exc
+
+    def plan_graph_kernel(
+        self, spec: AttentionSpec, bucket: GraphBucket, device: torch.device, *, fused_rope: bool
+    ) -> object:
+        """Fixed device state for ``bucket`` (graph-mode backends override it)."""
+        raise GraphModeError(f"{self.name} has no graph mode", [(self.name, [])])
+
+    def replan_graph_kernel(
+        self, spec: AttentionSpec, kernel: object, slots: tuple[int, ...]
+    ) -> None:
+        """Plan the fixed-size sequence list ``slots`` into ``kernel``'s state, in place."""
+        raise GraphModeError(f"{self.name} has no graph mode", [(self.name, [])])
+
+    # Per batch and per layer ----------------------------------------------------------------
 
     @abstractmethod
-    def attend(self, views: QKVViews, plan: PrefillPlan) -> torch.Tensor:
-        """Attention on checked views; returns ``[token_q_num, Hq, D]`` in the output dtype."""
+    def plan_kernel(self, spec: AttentionSpec, params: FMHAParams, *, fused_rope: bool) -> object:
+        """Per-batch kernel planning; ``fused_rope`` says the kernel must apply RoPE itself.
+
+        What it returns is the plan's own state: it must not be shared with other plans."""
+
+    @abstractmethod
+    def attend(self, views: QKVViews, plan: AnyPlan) -> torch.Tensor:
+        """Attention on checked views; returns ``[tokens, Hq, D]`` in the output dtype."""
 
     def __repr__(self) -> str:
         bound = "unbound" if self._spec is None else "bound"

@@ -3,31 +3,40 @@
 Every backend's ``forward`` goes through `run_forward`, so the rules are enforced once:
 
 * Accepted input: a 2-D tensor ``[rows, (Hq + 2*Hkv) * D]`` with columns Q|K|V, or a tuple
-  ``(packed, K, V)`` whose K and V are both None or empty. ``rows >= token_q_num``; rows past
-  ``token_q_num`` are padding and never read into the output.
-* Validation happens before anything is written: a rejected input is left untouched.
+  ``(packed, K, V)`` whose K and V are both None or empty. ``rows`` equals the plan's
+  ``params.rows`` (``token_q_num`` plus any CUDA-graph padding); padding rows never reach the
+  output.
+* Every check that can fail runs before anything is written: a rejected input is untouched.
+  An error that can still come later (inside the kernel) says whether, and where, the input
+  was already modified (`AttentionBackendError.modified`).
 * RoPE and logn are applied IN PLACE to the Q and K columns of the valid rows (the caller's
   buffer changes), once, before the kernel runs. V and padding rows are never written.
 * Q, K, V reach the kernel as views trimmed to the valid rows; they are copied only for a
-  backend that declares ``needs_contiguous``.
+  backend that declares it needs dense memory, or whose alignment rule the buffer breaks.
 * Output is ``[token_q_num, Hq * D]`` in the model dtype.
+
+The checks that depend only on the buffer's geometry (shape, strides, dtype, device, address)
+run once per plan and buffer signature (`BufferMemo`): a per-layer call on the same kind of
+buffer pays for a tuple comparison, a different buffer is checked again in full.
 """
 
 from __future__ import annotations
 
 import math
 from collections.abc import Callable
-from dataclasses import dataclass
-from typing import Literal, TypeAlias
+from dataclasses import dataclass, field
+from typing import Literal, NamedTuple, TypeAlias
 
 import torch
 
 from ._dtypes import dtype_name
-from ._errors import BackendFailure, PackedQKVError, ParamsError
+from ._errors import AttentionBackendError, BackendFailure, PackedQKVError, ParamsError
+from ._graph import GraphPlan
 from ._params import FMHAParams
 from ._preprocess import (
     SEPARATE_MODES,
     PreprocessMode,
+    apply_graph_preprocess,
     apply_preprocess,
     platform_of,
     prepare_tables,
@@ -47,19 +56,58 @@ tensors, or the dense packed ``[tokens, (Hq + 2*Hkv) * D]`` rows (copied only if
 class Fp8Scales:
     """Per-tensor dequantisation factors for FP8 packed input: ``real = stored * scale``.
 
-    Each is a one-element tensor on the QKV device or a Python float. Static (calibrated)
-    scales are best given as floats: kernels that take the scale on the host (aiter's FP8
-    varlen kernel) then need no device-to-host read per layer.
+    Each is a positive finite Python float or a one-element float32 tensor on the QKV device.
+    Static (calibrated) scales are best given as floats: kernels that take the scale on the
+    host (aiter's FP8 varlen kernel) then need no device-to-host read per layer. Tensor values
+    are checked here, once, when the scales are built (one read each), never per layer.
     """
 
     q: torch.Tensor | float
     k: torch.Tensor | float
     v: torch.Tensor | float
 
+    def __post_init__(self) -> None:
+        for name, value in (("q", self.q), ("k", self.k), ("v", self.v)):
+            _check_scale(name, value)
+
+
+def _check_scale(name: str, value: object) -> None:
+    expected = "a positive finite float or a one-element float32 tensor"
+    if isinstance(value, bool) or not isinstance(value, (float, int, torch.Tensor)):
+        raise PackedQKVError(f"fp8_scales.{name} is a {type(value).__name__}; expected {expected}")
+    if isinstance(value, torch.Tensor):
+        if value.numel() != 1 or value.dtype != torch.float32:
+            raise PackedQKVError(
+                f"fp8_scales.{name} has {value.numel()} elements of {dtype_name(value.dtype)}; "
+                f"expected {expected}"
+            )
+        number = float(value.detach().to("cpu").reshape(()).item())
+    else:
+        number = float(value)
+    if not (math.isfinite(number) and number > 0):
+        raise PackedQKVError(f"fp8_scales.{name} is {number}; expected {expected}")
+
+
+class BufferMemo:
+    """The last buffer signature a plan checked, and what the checks concluded.
+
+    One slot holding one immutable tuple: concurrent forwards on one plan read and replace it
+    atomically, so a reader never sees a signature with another buffer's geometry.
+    """
+
+    __slots__ = ("entry",)
+
+    def __init__(self) -> None:
+        self.entry: tuple[tuple[object, ...], Geometry] | None = None
+
 
 @dataclass(frozen=True, eq=False)
 class PrefillPlan:
-    """What ``prepare`` computed for one batch; pass it to ``forward`` of every layer."""
+    """What ``prepare`` computed for one batch; pass it to ``forward`` of every layer.
+
+    A plan is a value: it owns everything its ``forward`` reads, so any number of plans may be
+    alive at once and used in any order.
+    """
 
     backend: str
     spec: AttentionSpec
@@ -70,10 +118,16 @@ class PrefillPlan:
     tables: PositionTables | None
     kernel: object
     """Backend-owned plan (a wrapper, host metadata...); opaque to the contract."""
+    memo: BufferMemo = field(default_factory=BufferMemo, repr=False, compare=False)
+    """Checks already passed for the last buffer signature (see `BufferMemo`)."""
+
+    @property
+    def output_rows(self) -> int:
+        """Rows of ``forward``'s output: the batch's valid tokens."""
+        return self.params.token_q_num
 
 
-@dataclass(frozen=True, eq=False)
-class QKVViews:
+class QKVViews(NamedTuple):
     """Q, K, V of the valid rows, ``[tokens, heads, D]`` each, plus the FP8 scales if any.
 
     ``packed`` is the ``[tokens, (Hq + 2*Hkv) * D]`` rows they were cut from.
@@ -103,21 +157,25 @@ def _is_empty(t: object) -> bool:
     return t is None or (isinstance(t, torch.Tensor) and t.numel() == 0)
 
 
-def unpack_packed(qkv: QKVInput, spec: AttentionSpec, params: FMHAParams) -> torch.Tensor:
-    """Return the packed 2-D buffer after checking every rule; raises `PackedQKVError`."""
-    if isinstance(qkv, tuple):
-        if len(qkv) != 3:
-            raise _fail(f"a tuple of {len(qkv)} items", "a tensor or (packed, K, V)")
-        packed, k, v = qkv
-        real = [name for name, t in (("K", k), ("V", v)) if not _is_empty(t)]
-        if real:
-            raise _fail(
-                f"the tuple carries a real {' and '.join(real)} beside the packed buffer",
-                "(packed, None, None) or (packed, empty, empty): this path reads K and V from "
-                "the packed columns only",
-            )
-    else:
-        packed = qkv
+def unpack_tuple(qkv: object) -> object:
+    """The packed buffer of an accepted tuple form; the object itself when it is no tuple."""
+    if not isinstance(qkv, tuple):
+        return qkv
+    if len(qkv) != 3:
+        raise _fail(f"a tuple of {len(qkv)} items", "a tensor or (packed, K, V)")
+    packed, k, v = qkv
+    real = [name for name, t in (("K", k), ("V", v)) if not _is_empty(t)]
+    if real:
+        raise _fail(
+            f"the tuple carries a real {' and '.join(real)} beside the packed buffer",
+            "(packed, None, None) or (packed, empty, empty): this path reads K and V from "
+            "the packed columns only",
+        )
+    return packed
+
+
+def check_packed(packed: object, spec: AttentionSpec, params: FMHAParams) -> torch.Tensor:
+    """Every geometric rule of the packed buffer; raises `PackedQKVError` naming the fix."""
     if not isinstance(packed, torch.Tensor):
         raise _fail(f"a {type(packed).__name__}", "a torch.Tensor")
     width = spec.qkv_width
@@ -130,6 +188,13 @@ def unpack_packed(qkv: QKVInput, spec: AttentionSpec, params: FMHAParams) -> tor
         raise _fail(f"dtype {dtype_name(packed.dtype)}", f"the spec's {dtype_name(spec.dtype)}")
     if packed.shape[0] < params.token_q_num:
         raise _fail(f"{packed.shape[0]} rows", f"at least token_q_num = {params.token_q_num}")
+    if packed.shape[0] != params.rows:
+        raise _fail(
+            f"{packed.shape[0]} rows for a plan of {params.rows} rows ({params.token_q_num} "
+            "tokens)",
+            "the buffer the plan was made for: FMHAParams.from_lengths(..., padded_rows=rows) "
+            "when the buffer carries padding rows, and one plan per batch",
+        )
     if packed.shape[1] > 1 and packed.stride(1) != 1:
         raise _fail(f"column stride {packed.stride(1)}", "column stride 1 (rows may be strided)")
     if packed.shape[0] > 1 and packed.stride(0) < width:
@@ -145,21 +210,42 @@ def unpack_packed(qkv: QKVInput, spec: AttentionSpec, params: FMHAParams) -> tor
     return packed
 
 
+def unpack_packed(qkv: QKVInput, spec: AttentionSpec, params: FMHAParams) -> torch.Tensor:
+    """Return the packed 2-D buffer after checking every rule; raises `PackedQKVError`."""
+    return check_packed(unpack_tuple(qkv), spec, params)
+
+
 def check_fp8_scales(spec: AttentionSpec, scales: Fp8Scales | None, device: torch.device) -> None:
     if spec.is_fp8 and scales is None:
         raise _fail("FP8 input without fp8_scales", "forward(qkv, plan, fp8_scales=Fp8Scales(...))")
     if not spec.is_fp8 and scales is not None:
         raise _fail(f"fp8_scales for {dtype_name(spec.dtype)} input", "fp8_scales=None")
-    if scales is not None:
-        for name, t in (("q", scales.q), ("k", scales.k), ("v", scales.v)):
-            if isinstance(t, float) and math.isfinite(t) and t > 0:
-                continue
-            if not isinstance(t, torch.Tensor) or t.numel() != 1 or t.device != device:
-                raise _fail(
-                    f"fp8_scales.{name} is neither a positive float nor a one-element tensor "
-                    f"on {device}",
-                    "per-tensor scales as Python floats or float32 tensors on the QKV device",
-                )
+    if scales is None:
+        return
+    if not isinstance(scales, Fp8Scales):
+        raise _fail(f"fp8_scales of type {type(scales).__name__}", "an Fp8Scales")
+    for name, t in (("q", scales.q), ("k", scales.k), ("v", scales.v)):
+        if isinstance(t, torch.Tensor) and t.device != device:
+            raise _fail(
+                f"fp8_scales.{name} on {t.device} for QKV on {device}",
+                "per-tensor scales as Python floats or float32 tensors on the QKV device",
+            )
+
+
+def check_writable(packed: torch.Tensor) -> None:
+    """The buffer may be rotated in place here: no autograd graph, no inference tensor used
+    outside inference mode (torch would refuse the in-place write half-way)."""
+    if packed.requires_grad and torch.is_grad_enabled():
+        raise _fail(
+            "a QKV buffer that requires grad, while RoPE/logn are applied to it in place",
+            "an inference input: call under torch.inference_mode() or torch.no_grad()",
+        )
+    if packed.is_inference() and not torch.is_inference_mode_enabled():
+        raise _fail(
+            "a QKV buffer made under torch.inference_mode() used outside it, while RoPE/logn "
+            "are applied to it in place (torch forbids that write)",
+            "forward() under torch.inference_mode() too, or a buffer made outside it",
+        )
 
 
 def split_views(packed: torch.Tensor, spec: AttentionSpec, tokens: int) -> tuple[torch.Tensor, ...]:
@@ -174,43 +260,241 @@ def split_views(packed: torch.Tensor, spec: AttentionSpec, tokens: int) -> tuple
     )
 
 
+@dataclass(frozen=True, eq=False)
+class Geometry:
+    """How to cut one checked buffer signature into the kernel's input, decided once.
+
+    ``heads`` views the valid rows as ``[tokens, Hq + 2*Hkv, D]`` (one ``as_strided``), and
+    ``split`` cuts that into Q, K, V (one ``split_with_sizes``): two cheap calls per layer.
+    """
+
+    tokens: int
+    heads_size: tuple[int, int, int]
+    heads_stride: tuple[int, int, int]
+    storage_offset: int
+    split: tuple[int, int, int]
+    copy_rows: bool
+    """Copy the valid rows into one dense, aligned buffer first (dense-packed layout on a
+    strided buffer, or a buffer the backend's alignment rule refuses)."""
+    dense_tensors: bool
+    """Hand Q, K, V over as separate dense tensors (``needs_contiguous``)."""
+    output_shape: torch.Size
+
+
+def buffer_signature(packed: torch.Tensor) -> tuple[object, ...]:
+    """What the geometric checks depend on: equal signatures pass or fail them alike."""
+    return (
+        packed.data_ptr(),
+        packed.storage_offset(),
+        packed.shape,
+        packed.stride(),
+        packed.dtype,
+        packed.device,
+    )
+
+
+def make_geometry(
+    packed: torch.Tensor,
+    spec: AttentionSpec,
+    tokens: int,
+    layout: InputLayout,
+    accepts_rows: Callable[[torch.Tensor], bool],
+) -> Geometry:
+    heads = spec.num_heads + 2 * spec.num_kv_heads
+    dense_packed = layout == "dense-packed"
+    rows = packed[:tokens]
+    strided = tokens > 1 and rows.stride(0) != spec.qkv_width
+    copy_rows = (dense_packed and strided) or not accepts_rows(rows)
+    return Geometry(
+        tokens=tokens,
+        heads_size=(tokens, heads, spec.head_dim),
+        heads_stride=(packed.stride(0), spec.head_dim, 1),
+        storage_offset=int(packed.storage_offset()),
+        split=(spec.num_heads, spec.num_kv_heads, spec.num_kv_heads),
+        copy_rows=copy_rows,
+        dense_tensors=layout == "dense-tensors",
+        output_shape=torch.Size((tokens, spec.num_heads, spec.head_dim)),
+    )
+
+
+def cut(packed: torch.Tensor, geo: Geometry, spec: AttentionSpec) -> tuple[torch.Tensor, ...]:
+    """``(rows, q, k, v)`` for the kernel, per `Geometry`: views unless a copy is declared."""
+    if geo.copy_rows:
+        rows = packed[: geo.tokens].clone(memory_format=torch.contiguous_format)
+        grid = rows.view(geo.heads_size)
+    else:
+        grid = packed.as_strided(geo.heads_size, geo.heads_stride, geo.storage_offset)
+        rows = packed if packed.shape[0] == geo.tokens else packed[: geo.tokens]
+    q, k, v = grid.split_with_sizes(geo.split, 1)
+    if geo.dense_tensors:
+        q, k, v = q.contiguous(), k.contiguous(), v.contiguous()
+    return rows, q, k, v
+
+
+def modified_note(spec: AttentionSpec, plan_tokens: int, *, certain: bool = True) -> str:
+    """Where a separate RoPE/logn pass wrote, and how to recover, for error messages."""
+    cols = spec.q_width + spec.kv_width
+    was = "WAS MODIFIED" if certain else "MAY HAVE BEEN MODIFIED"
+    return (
+        f"the input {was}: RoPE/logn were applied in place to columns "
+        f"[0, {cols}) (Q and K) of rows [0, {plan_tokens}); V and padding rows are untouched. "
+        "Recompute the QKV projection (or restore a copy) before retrying or falling back"
+    )
+
+
+def _mark_modified(exc: AttentionBackendError, note: str) -> None:
+    """Say on a library error raised after the in-place pass that the input changed."""
+    exc.modified = note
+    exc.args = (f"{exc.args[0] if exc.args else exc}; {note}", *exc.args[1:])
+
+
+AnyPlan: TypeAlias = "PrefillPlan | GraphPlan"
+AttendFn = Callable[[QKVViews, AnyPlan], torch.Tensor]
+RowsRule = Callable[[torch.Tensor], bool]
+
+
+def _accept_any(rows: torch.Tensor) -> bool:
+    return True
+
+
+def _not_ours(backend: str, plan: object) -> ParamsError:
+    return ParamsError(
+        f"the plan ({type(plan).__name__}) was not made by {backend}.prepare() or "
+        f"{backend}.prepare_graph() for this spec; call prepare() on the same backend that "
+        "runs forward()"
+    )
+
+
 def run_forward(
     backend: str,
     spec: AttentionSpec,
     qkv: QKVInput,
-    plan: PrefillPlan,
+    plan: AnyPlan,
     fp8_scales: Fp8Scales | None,
     layout: InputLayout,
-    attend: Callable[[QKVViews, PrefillPlan], torch.Tensor],
+    attend: AttendFn,
+    accepts_rows: RowsRule = _accept_any,
 ) -> torch.Tensor:
-    """Validate, pre-process in place, split, run ``attend`` and shape the output."""
-    if not isinstance(plan, PrefillPlan) or plan.backend != backend or plan.spec != spec:
-        raise ParamsError(
-            f"the plan was not made by {backend}.prepare() for this spec; call prepare() on the "
-            "same backend that runs forward()"
-        )
-    params = plan.params
-    packed = unpack_packed(qkv, spec, params)
-    check_fp8_scales(spec, fp8_scales, packed.device)
-    tokens = params.token_q_num
-    if plan.preprocess in SEPARATE_MODES:
-        if packed.requires_grad and torch.is_grad_enabled():
-            raise _fail(
-                "a QKV buffer that requires grad, while RoPE/logn are applied to it in place",
-                "an inference input: call under torch.inference_mode() or torch.no_grad()",
+    """Validate, pre-process in place, split, run ``attend`` and shape the output.
+
+    Order matters: every check that can fail comes before the first write (`_execute`).
+    """
+    if (
+        type(plan) is not PrefillPlan
+        or plan.backend != backend
+        or (plan.spec is not spec and plan.spec != spec)
+    ):
+        if isinstance(plan, GraphPlan):
+            return run_graph_forward(
+                backend, spec, qkv, plan, fp8_scales, layout, attend, accepts_rows
             )
-        apply_preprocess(plan.preprocess, packed, spec, params, plan.tables)
-    rows = packed[:tokens]
-    if layout == "dense-packed":
-        rows = rows.contiguous()
-    q, k, v = split_views(rows, spec, tokens)
-    if layout == "dense-tensors":
-        q, k, v = q.contiguous(), k.contiguous(), v.contiguous()
-    out = attend(QKVViews(rows, q, k, v, fp8_scales), plan)
-    expected = (tokens, spec.num_heads, spec.head_dim)
-    if tuple(out.shape) != expected or out.dtype != spec.output_dtype:
+        raise _not_ours(backend, plan)
+    packed = qkv if type(qkv) is torch.Tensor else unpack_tuple(qkv)
+    entry = plan.memo.entry
+    if entry is not None and type(packed) is torch.Tensor and entry[0] == buffer_signature(packed):
+        geo = entry[1]
+    else:
+        params = plan.params
+        checked = check_packed(packed, spec, params)
+        geo = make_geometry(checked, spec, params.token_q_num, layout, accepts_rows)
+        plan.memo.entry = (buffer_signature(checked), geo)
+    assert isinstance(packed, torch.Tensor)  # check_packed proved it for this signature
+
+    def rotate(buffer: torch.Tensor) -> None:
+        apply_preprocess(plan.preprocess, buffer, spec, plan.params, plan.tables)
+
+    return _execute(backend, spec, packed, geo, plan, fp8_scales, attend, rotate, geo.tokens)
+
+
+def run_graph_forward(
+    backend: str,
+    spec: AttentionSpec,
+    qkv: QKVInput,
+    plan: GraphPlan,
+    fp8_scales: Fp8Scales | None,
+    layout: InputLayout,
+    attend: AttendFn,
+    accepts_rows: RowsRule = _accept_any,
+) -> torch.Tensor:
+    """`run_forward` for a bucket's plan: the kernel sees every row of the bucket (padding rows
+    as sequences of their own) and the output has ``max_tokens`` rows."""
+    if plan.backend != backend or (plan.spec is not spec and plan.spec != spec):
+        raise _not_ours(backend, plan)
+    params = plan.current()
+    packed = qkv if type(qkv) is torch.Tensor else unpack_tuple(qkv)
+    entry = plan.memo.entry
+    if entry is not None and type(packed) is torch.Tensor and entry[0] == buffer_signature(packed):
+        geo = entry[1]
+    else:
+        rows = plan.bucket.max_tokens
+        checked = check_packed(packed, spec, params)
+        geo = make_geometry(checked, spec, rows, layout, accepts_rows)
+        plan.memo.entry = (buffer_signature(checked), geo)
+    assert isinstance(packed, torch.Tensor)  # check_packed proved it for this signature
+
+    def rotate(buffer: torch.Tensor) -> None:
+        apply_graph_preprocess(plan.preprocess, buffer, spec, plan.rope_cu, geo.tokens)
+
+    written = params.token_q_num
+    return _execute(backend, spec, packed, geo, plan, fp8_scales, attend, rotate, written)
+
+
+def _execute(
+    backend: str,
+    spec: AttentionSpec,
+    packed: torch.Tensor,
+    geo: Geometry,
+    plan: AnyPlan,
+    fp8_scales: Fp8Scales | None,
+    attend: AttendFn,
+    rotate: Callable[[torch.Tensor], None],
+    written_rows: int,
+) -> torch.Tensor:
+    """The per-call part: FP8 and write checks, the in-place pass, the kernel, the output.
+
+    ``written_rows``: the rows the in-place pass rotates, for error messages."""
+    if fp8_scales is not None or spec.is_fp8:
+        check_fp8_scales(spec, fp8_scales, packed.device)
+    separate = plan.preprocess in SEPARATE_MODES
+    if separate:
+        check_writable(packed)
+        try:
+            rotate(packed)
+        except Exception as exc:
+            note = modified_note(spec, written_rows, certain=False)
+            raise BackendFailure(
+                f"the {plan.preprocess} RoPE/logn pass failed: {type(exc).__name__}: {exc}; {note}",
+                modified=note,
+            ) from exc
+    rows, q, k, v = cut(packed, geo, spec)
+    try:
+        out = attend(QKVViews(rows, q, k, v, fp8_scales), plan)
+    except AttentionBackendError as exc:
+        if separate:
+            _mark_modified(exc, modified_note(spec, written_rows))
+        raise
+    except Exception as exc:
+        failed_note = modified_note(spec, written_rows) if separate else None
         raise BackendFailure(
-            f"backend {backend} returned {tuple(out.shape)} {dtype_name(out.dtype)}; the contract "
-            f"needs {expected} {dtype_name(spec.output_dtype)}"
+            f"backend {backend} failed in attend(): {type(exc).__name__}: {exc}"
+            + (f"; {failed_note}" if failed_note else ""),
+            modified=failed_note,
+        ) from exc
+    if (
+        type(out) is not torch.Tensor
+        or out.shape != geo.output_shape
+        or (out.dtype != spec.output_dtype)
+    ):
+        shape_note = modified_note(spec, written_rows) if separate else None
+        got = (
+            f"{tuple(out.shape)} {dtype_name(out.dtype)}"
+            if isinstance(out, torch.Tensor)
+            else type(out).__name__
         )
-    return out.reshape(tokens, spec.q_width)
+        raise BackendFailure(
+            f"backend {backend} returned {got}; the contract needs "
+            f"{tuple(geo.output_shape)} {dtype_name(spec.output_dtype)}"
+            + (f"; {shape_note}" if shape_note else ""),
+            modified=shape_note,
+        )
+    return out.reshape(geo.tokens, spec.q_width)

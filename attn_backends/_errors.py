@@ -13,6 +13,16 @@ if TYPE_CHECKING:
 class AttentionBackendError(Exception):
     """Base of every error this library raises on purpose."""
 
+    modified: str | None = None
+    """None when the caller's buffers are exactly as they were before the call. Otherwise the
+    error came after an in-place write (RoPE/logn on the Q|K columns): it says which rows and
+    columns changed, and how to recover (recompute or restore the QKV before a retry)."""
+
+    def __init__(self, *args: object, modified: str | None = None) -> None:
+        super().__init__(*args)
+        if modified is not None:
+            self.modified = modified
+
 
 class SpecError(AttentionBackendError, ValueError):
     """An `AttentionSpec`, `RopeSpec` or `HeadwiseConfig` field is invalid."""
@@ -48,6 +58,11 @@ class NoBackendError(AttentionBackendError, RuntimeError):
         )
 
 
+class GraphModeError(NoBackendError):
+    """A backend cannot serve graph mode (CUDA-graph capture, re-planned per batch) for a spec;
+    carries the reasons. Pick one with ``select(spec, cuda_graph=True)``."""
+
+
 class BackendFailure(AttentionBackendError, RuntimeError):
     """A backend raised inside `prepare`/`forward`; the original error is the cause."""
 
@@ -64,4 +79,26 @@ class NativeBuildError(AttentionBackendError, RuntimeError):
     """The native RoPE/logn kernel (``csrc/``) cannot be built or loaded on this machine.
 
     The pre-processing choice catches it, falls back to another implementation and records why.
+    """
+
+
+class InvalidArgumentError(AttentionBackendError, TypeError, ValueError):
+    """An argument has the wrong type or value: a `select` flag that is not a real bool, a
+    plugin timeout that is not a positive number. Caught as either TypeError or ValueError."""
+
+
+class PluginLoadError(AttentionBackendError, RuntimeError):
+    """A plugin's code failed, hung or misbehaved while it was being loaded.
+
+    The registry records it against that plugin (``attn-backends list`` shows it) and loads the
+    others; it reaches a caller only as `ReentrantRegistryError`, inside the plugin itself.
+    """
+
+
+class ReentrantRegistryError(PluginLoadError):
+    """A plugin called back into the registry (`get_registry`, `select`, `reset_registry`, a
+    `Registry` method) while it was being loaded.
+
+    Loading holds the registry, so such a call could only deadlock. Do that work later, when the
+    backend is used (in ``plan_kernel`` or ``attend``), never at import or in the hook.
     """

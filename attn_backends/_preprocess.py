@@ -27,6 +27,10 @@ PreprocessMode = Literal["none", "torch", "native", "flashinfer", "fused"]
 """How RoPE/logn run: not needed, a separate pass (torch / native / flashinfer), or in-kernel."""
 Implementation = Literal["native", "flashinfer", "torch"]
 SEPARATE_MODES: frozenset[str] = frozenset({"torch", "native", "flashinfer"})
+GRAPH_MODES: frozenset[str] = frozenset({"none", "fused", "native"})
+"""Passes a CUDA graph can replay for any batch of a bucket: the native kernel bounds itself
+by the device-side offsets; the torch and flashinfer passes take the token count on the host
+(they would rotate the bucket's padding rows), so graph mode refuses them."""
 
 FLASHINFER_HEAD_DIMS = frozenset({64, 128, 256, 512})
 """Head dims flashinfer's RoPE kernels are compiled for (``DISPATCH_HEAD_DIM``)."""
@@ -267,3 +271,17 @@ def apply_preprocess(
     heads = spec.num_heads + spec.num_kv_heads
     qk = packed[:tokens, : spec.q_width + spec.kv_width].view(tokens, heads, spec.head_dim)
     apply_rope_logn(qk, spec.num_heads, spec, tables)
+
+
+def apply_graph_preprocess(
+    mode: PreprocessMode,
+    packed: torch.Tensor,
+    spec: AttentionSpec,
+    cu_seqlens: torch.Tensor,
+    rows: int,
+) -> None:
+    """The separate pass of graph mode: launched over all ``rows`` of the bucket, bounded on
+    the device by ``cu_seqlens[-1]`` (the current batch's tokens)."""
+    if mode != "native":
+        raise AssertionError(f"graph mode admits no {mode} pass")  # prepare_graph refuses it
+    _native.rope_logn_(packed, cu_seqlens, rows, spec)

@@ -120,7 +120,9 @@ __global__ void __launch_bounds__(kMaxThreads)
   const int group = rest % shape.head_groups;
   const int64_t token =
       static_cast<int64_t>(blockIdx.x) * shape.tokens_per_block + rest / shape.head_groups;
-  if (token >= args.tokens) return;
+  // The device-side total bounds the launch too: a CUDA graph launches over a bucket's rows,
+  // and only cu_seqlens (updated in place per batch) knows how many of them are tokens.
+  if (token >= args.tokens || token >= args.cu_seqlens[args.batch]) return;
 
   // The sequence holding `token`: cu[lo] <= token < cu[lo + 1] (empty sequences are skipped).
   int lo = 0;

@@ -17,7 +17,8 @@ struct RopeLognArgs {
   void* qkv;                  // row 0 of the packed [rows, (Hq + 2*Hkv) * D] buffer
   int64_t row_stride;         // elements between rows (>= the row width); the last dim is dense
   int64_t tokens;             // valid rows; rows past this are padding and never touched
-  const int32_t* cu_seqlens;  // [batch + 1] prefix sums on the device; cu_seqlens[batch] >= tokens
+  const int32_t* cu_seqlens;  // [batch + 1] prefix sums on the device; rows at or past
+                              // min(tokens, cu_seqlens[batch]) are never touched
   int32_t batch;
   int32_t num_q_heads;
   int32_t num_kv_heads;

@@ -109,12 +109,34 @@ def test_fp8_scales_accept_floats_or_device_scalars():
     one = torch.ones(())
     check_fp8_scales(fp8, ab.Fp8Scales(0.5, 2.0, 1.0), torch.device("cpu"))
     check_fp8_scales(fp8, ab.Fp8Scales(one, one, one), torch.device("cpu"))
-    with pytest.raises(ab.PackedQKVError, match=r"fp8_scales\.k is neither"):
-        check_fp8_scales(fp8, ab.Fp8Scales(1.0, -1.0, 1.0), torch.device("cpu"))
-    with pytest.raises(ab.PackedQKVError, match=r"fp8_scales\.v is neither"):
-        check_fp8_scales(fp8, ab.Fp8Scales(one, one, torch.ones(2)), torch.device("cpu"))
+    with pytest.raises(ab.PackedQKVError, match=r"fp8_scales\.q on cpu for QKV on meta"):
+        check_fp8_scales(fp8, ab.Fp8Scales(one, one, one), torch.device("meta"))
     with pytest.raises(ab.PackedQKVError, match="without fp8_scales"):
         check_fp8_scales(fp8, None, torch.device("cpu"))
+
+
+@pytest.mark.parametrize(
+    ("scales", "match"),
+    [
+        ((1.0, -1.0, 1.0), r"fp8_scales\.k is -1\.0"),
+        ((0.0, 1.0, 1.0), r"fp8_scales\.q is 0\.0"),
+        ((1.0, 1.0, float("nan")), r"fp8_scales\.v is nan"),
+        ((1.0, float("inf"), 1.0), r"fp8_scales\.k is inf"),
+        ((True, 1.0, 1.0), r"fp8_scales\.q is a bool"),
+        (("1", 1.0, 1.0), r"fp8_scales\.q is a str"),
+        ((1.0, 1.0, torch.ones(2)), r"fp8_scales\.v has 2 elements"),
+        (
+            (torch.ones((), dtype=torch.float64), 1.0, 1.0),
+            r"fp8_scales\.q has 1 elements of float64",
+        ),
+        ((torch.tensor(float("nan")), 1.0, 1.0), r"fp8_scales\.q is nan"),
+        ((1.0, torch.tensor(-2.0), 1.0), r"fp8_scales\.k is -2\.0"),
+        ((1.0, 1.0, torch.zeros(())), r"fp8_scales\.v is 0\.0"),
+    ],
+)
+def test_fp8_scales_are_value_checked_when_built(scales, match):
+    with pytest.raises(ab.PackedQKVError, match=match):
+        ab.Fp8Scales(*scales)
 
 
 def test_fp8_scales_rules():

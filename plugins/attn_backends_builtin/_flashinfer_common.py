@@ -8,12 +8,13 @@ any machine.
 
 from __future__ import annotations
 
+import threading
 from dataclasses import dataclass
 from typing import Literal
 
 import torch
 
-from attn_backends import AttentionSpec, QKVViews, split_views
+from attn_backends import AttentionSpec
 
 FlashinferKernel = Literal["fa2", "fa3"]
 JitKind = Literal["fa2", "fa3", "fmha_v2", "rope"]
@@ -106,32 +107,64 @@ def is_aligned(rows: torch.Tensor) -> bool:
     """Whether the packed ``[tokens, width]`` rows meet the 16-byte rule (base and row stride).
 
     Column offsets of Q, K and V are multiples of ``head_dim`` elements, 16-byte aligned for
-    every head dim these backends declare, so the rows decide.
+    every head dim these backends declare, so the rows decide. The contract asks once per
+    buffer signature and hands a misaligned buffer over as one aligned copy.
     """
     size = rows.element_size()
-    return rows.data_ptr() % ALIGN_BYTES == 0 and (rows.stride(0) * size) % ALIGN_BYTES == 0
+    return rows.data_ptr() % ALIGN_BYTES == 0 and (
+        rows.shape[0] <= 1 or (rows.stride(0) * size) % ALIGN_BYTES == 0
+    )
 
 
-def realigned(views: QKVViews, spec: AttentionSpec) -> QKVViews:
-    """The views themselves when aligned (always for buffers torch allocates); otherwise views
-    of one fresh, aligned copy of the rows."""
-    if is_aligned(views.packed):
-        return views
-    rows = views.packed.clone(memory_format=torch.contiguous_format)
-    q, k, v = split_views(rows, spec, rows.shape[0])
-    return QKVViews(rows, q, k, v, views.fp8_scales)
+StreamKey = tuple[torch.device, int]
 
 
-class DeviceBuffers:
-    """One uint8 scratch buffer per device, allocated on first use and then reused."""
+def stream_key(device: torch.device) -> StreamKey:
+    """The device and the handle of its current stream (0 off CUDA): work enqueued under one
+    key runs in order, which is what makes sharing a scratch buffer under that key safe."""
+    if device.type != "cuda":
+        return device, 0
+    return device, int(torch.cuda.current_stream(device).cuda_stream)
+
+
+class CompletionMarker:
+    """Whether the device work enqueued before it (on the current stream) has run.
+
+    A CUDA event on CUDA devices; off CUDA, work is synchronous and the marker always done.
+    """
+
+    def __init__(self, device: torch.device) -> None:
+        self._event: torch.cuda.Event | None = None
+        if device.type == "cuda":
+            self._event = torch.cuda.Event()  # type: ignore[no-untyped-call]
+            self._event.record(torch.cuda.current_stream(device))
+
+    def done(self) -> bool:
+        return self._event is None or bool(self._event.query())  # type: ignore[no-untyped-call]
+
+    def wait(self) -> None:
+        if self._event is not None:
+            self._event.synchronize()
+
+
+class StreamBuffers:
+    """One uint8 scratch buffer per device and stream, allocated on first use, then reused.
+
+    Kernels that use the scratch (flashinfer's split-KV partial results, FMHA v2's tile
+    counter) consume it before the next kernel of the same stream starts, so every plan made
+    on a stream can share that stream's buffer; another stream gets its own, so kernels
+    running concurrently never share one.
+    """
 
     def __init__(self, nbytes: int) -> None:
         self.nbytes = nbytes
-        self._buffers: dict[torch.device, torch.Tensor] = {}
+        self._buffers: dict[StreamKey, torch.Tensor] = {}
+        self._lock = threading.Lock()
 
-    def get(self, device: torch.device) -> torch.Tensor:
-        buffer = self._buffers.get(device)
-        if buffer is None:
-            buffer = torch.empty(self.nbytes, dtype=torch.uint8, device=device)
-            self._buffers[device] = buffer
-        return buffer
+    def get(self, key: StreamKey) -> torch.Tensor:
+        with self._lock:
+            buffer = self._buffers.get(key)
+            if buffer is None:
+                buffer = torch.empty(self.nbytes, dtype=torch.uint8, device=key[0])
+                self._buffers[key] = buffer
+            return buffer

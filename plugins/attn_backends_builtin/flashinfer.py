@@ -2,8 +2,15 @@
 
 ``BatchPrefillWithRaggedKVCacheWrapper`` is planned once per batch in ``prepare`` (host int32
 offsets, no device sync) and run per layer on strided views of the packed rows: no Q/K/V copy,
-no cache, only the output is allocated. The wrapper and its 128 MiB workspace (flashinfer's
-recommended size) live on the bound backend, one per device, and are reused by every batch.
+no cache, only the output is allocated.
+
+Plans own their state. A flashinfer wrapper keeps exactly one plan, so every plan holds a wrapper
+of its own, leased from a process-wide pool keyed by device, stream and kernel implementation,
+and returned to it when the plan is dropped. Each wrapper has its own int workspace (the plan's
+metadata); the 128 MiB float workspace (flashinfer's recommended size, split-KV partial results)
+is shared per device and stream (`StreamBuffers` says why that is safe). A pooled wrapper is
+reused only once the device has run the metadata copy of its last plan (a `CompletionMarker`):
+flashinfer stages that copy in a pinned host buffer that the next plan overwrites.
 
 The kernel implementation is chosen as data (`choose_kernel`): fa3 on sm90 where flashinfer
 has it, fa2 elsewhere; the choice is in the selector's decision record.
@@ -15,9 +22,11 @@ separate RoPE pass and this backend plans without ROPE_LLAMA, exactly like ``fla
 Fusing pays on short sequences only (it saves a memory pass, but fa2 is slower than fa3 on
 Hopper as sequences grow), so it is decided per batch: batches whose longest sequence is at
 most ``fused_rope_max_seqlen`` tokens run fused, longer ones the separate pass and fa3 (the
-crossover measured by scripts/gpu/rope_crossover.py). One wrapper per implementation and
-device; they share the device's workspace, so a plan is valid until the next ``prepare`` on
-that device.
+crossover measured by scripts/gpu/rope_crossover.py).
+
+Graph mode (`prepare_graph`): one wrapper per bucket, built with ``use_cuda_graph=True`` over
+fixed index buffers; ``update`` re-plans it in place, so a captured ``run`` replays any batch of
+the bucket. fused RoPE is decided once per bucket, from its longest sequence.
 
 Alignment: flashinfer assumes 16-byte aligned rows (128-bit and TMA loads). Buffers torch
 allocates always are; a misaligned buffer (an odd storage offset or row stride) is copied once
@@ -26,21 +35,23 @@ into an aligned one rather than read wrongly.
 
 from __future__ import annotations
 
+import threading
+import weakref
 from dataclasses import dataclass, replace
 from typing import Any
 
 import torch
 
 from attn_backends import (
+    AnyPlan,
     AttentionSpec,
     BackendFailure,
     Capabilities,
     FMHAParams,
-    ParamsError,
+    GraphBucket,
     Platform,
     PluginManifest,
     PrefillBackend,
-    PrefillPlan,
     PriorityRule,
     QKVViews,
     hookimpl,
@@ -51,14 +62,17 @@ from attn_backends._dtypes import dtype_name
 from ._flashinfer_common import (
     PREFILL_HEAD_DIMS,
     SIXTEEN_BIT,
-    DeviceBuffers,
+    CompletionMarker,
     JitModule,
     KernelChoice,
+    StreamBuffers,
+    StreamKey,
     choose_kernel,
     device_sm,
     host_indptr,
+    is_aligned,
     nonempty_lengths,
-    realigned,
+    stream_key,
 )
 
 API_VERSION = "1.0"
@@ -71,35 +85,79 @@ bf16): fa2 with ROPE_LLAMA took 0.53-0.94x the time of the separate pass + fa3 u
 and 1.07x at 384, rising to 1.91x at 2048."""
 
 
-class _WrapperSlot:
-    """A flashinfer wrapper for one kernel implementation on one device."""
-
-    def __init__(self, wrapper: Any, choice: KernelChoice) -> None:
-        # Any: flashinfer ships no type information.
-        self.wrapper = wrapper
-        self.choice = choice
+PoolKey = tuple[torch.device, int, str]
+"""Device, stream handle and kernel implementation (fa2/fa3) of a pooled wrapper."""
 
 
-class _DeviceSerial:
-    """Counts plans per device. A wrapper keeps only its latest plan, and the wrappers of one
-    device share its workspace, so `attend` refuses any plan a later ``prepare`` on the same
-    device replaced."""
+class WrapperPool:
+    """Idle flashinfer wrappers, per device, stream and implementation.
+
+    ``lease`` hands out an idle wrapper whose last plan's metadata copy has run (or a new one);
+    the plan holding it gives it back when it is dropped. The pool grows to the number of plans
+    alive at once and never shrinks below that: a wrapper is 8 MiB of device memory.
+    """
 
     def __init__(self) -> None:
-        self.value = 0
+        self._idle: dict[PoolKey, list[tuple[Any, CompletionMarker]]] = {}
+        self._lock = threading.Lock()
+        self.created = 0
+        """Wrappers built so far (tests read it to see reuse)."""
+
+    def lease(self, key: PoolKey, workspace: torch.Tensor) -> Any:
+        # Any: flashinfer ships no type information.
+        with self._lock:
+            idle = self._idle.get(key, [])
+            for i, (wrapper, marker) in enumerate(idle):
+                if marker.done():
+                    del idle[i]
+                    return wrapper
+            self.created += 1
+        import flashinfer  # lazily: a GPU library
+
+        return flashinfer.BatchPrefillWithRaggedKVCacheWrapper(
+            workspace, kv_layout="NHD", backend=key[2]
+        )
+
+    def give_back(self, key: PoolKey, wrapper: Any, marker: CompletionMarker) -> None:
+        with self._lock:
+            self._idle.setdefault(key, []).append((wrapper, marker))
+
+    def idle(self, key: PoolKey) -> int:
+        with self._lock:
+            return len(self._idle.get(key, []))
+
+
+WORKSPACES = StreamBuffers(WORKSPACE_BYTES)
+POOL = WrapperPool()
 
 
 @dataclass(frozen=True, eq=False)
 class RaggedPlan:
-    """The per-batch kernel plan: which wrapper, which of its plans, and what was planned."""
+    """The per-batch kernel plan: a wrapper of its own, planned for this batch."""
 
-    slot: _WrapperSlot
-    counter: _DeviceSerial
-    serial: int
+    wrapper: Any
+    """flashinfer's ``BatchPrefillWithRaggedKVCacheWrapper`` (untyped library object)."""
     choice: KernelChoice
     pos_encoding_mode: str
     indptr: torch.Tensor
     """Host int32 offsets of the non-empty sequences, as given to ``plan``."""
+    stream: StreamKey
+    """The device and stream the plan was made on; its float workspace is that stream's."""
+
+
+class GraphRagged:
+    """The graph-mode state of one bucket: a CUDA-graph wrapper over fixed index buffers."""
+
+    def __init__(
+        self, wrapper: Any, choice: KernelChoice, pos_encoding_mode: str, indptr: torch.Tensor
+    ) -> None:
+        self.wrapper = wrapper
+        self.choice = choice
+        self.pos_encoding_mode = pos_encoding_mode
+        self.indptr = indptr
+        """Device int32 ``[slots + 1]`` the captured kernel reads; rewritten by each plan."""
+        self.planned: CompletionMarker | None = None
+        """Marks the metadata copy of the last plan; the next plan waits for it."""
 
 
 def _pos_encoding(fused_rope: bool) -> str:
@@ -113,6 +171,7 @@ class FlashinferBackend(PrefillBackend):
         dtypes=SIXTEEN_BIT,
         head_dims=PREFILL_HEAD_DIMS,
         min_sm=80,
+        cuda_graph=True,
         requires=("flashinfer",),
         priority=(
             PriorityRule(
@@ -124,12 +183,6 @@ class FlashinferBackend(PrefillBackend):
             ),
         ),
     )
-
-    def __init__(self, spec: AttentionSpec | None = None) -> None:
-        super().__init__(spec)
-        self._workspaces = DeviceBuffers(WORKSPACE_BYTES)
-        self._slots: dict[tuple[torch.device, str], _WrapperSlot] = {}
-        self._serials: dict[torch.device, _DeviceSerial] = {}
 
     def _fusion_cases(self, spec: AttentionSpec) -> tuple[bool, ...]:
         """Whether batches run fused RoPE: (False,), (True,), or (True, False) when the choice
@@ -150,6 +203,7 @@ class FlashinferBackend(PrefillBackend):
             "flashinfer_backend_reason": choices[0].reason,
             "pos_encoding_mode": _pos_encoding(cases[0]),
             "workspace_bytes": str(WORKSPACE_BYTES),
+            "plan_state": "a pooled wrapper per plan; float workspace per device and stream",
         }
         if len(cases) == 2:
             limit = self.capabilities.fused_rope_max_seqlen
@@ -172,27 +226,15 @@ class FlashinferBackend(PrefillBackend):
             for fused in self._fusion_cases(spec)
         )
 
-    def _slot(self, device: torch.device, choice: KernelChoice) -> _WrapperSlot:
-        slot = self._slots.get((device, choice.backend))
-        if slot is None:
-            import flashinfer  # lazily: a GPU library
+    def accepts_rows(self, rows: torch.Tensor) -> bool:
+        return is_aligned(rows)
 
-            wrapper = flashinfer.BatchPrefillWithRaggedKVCacheWrapper(
-                self._workspaces.get(device), kv_layout="NHD", backend=choice.backend
-            )
-            slot = _WrapperSlot(wrapper, choice)
-            self._slots[(device, choice.backend)] = slot
-        return slot
-
-    def plan_kernel(
-        self, spec: AttentionSpec, params: FMHAParams, *, fused_rope: bool
-    ) -> RaggedPlan:
-        choice = choose_kernel(spec, device_sm(params.device), fused_rope)
-        slot = self._slot(params.device, choice)
-        indptr = host_indptr(nonempty_lengths(params.input_lengths))
+    def _plan_wrapper(
+        self, wrapper: Any, spec: AttentionSpec, indptr: torch.Tensor, fused_rope: bool
+    ) -> str:
         mode = _pos_encoding(fused_rope)
         rope_theta = spec.rope.theta if fused_rope and spec.rope is not None else None
-        slot.wrapper.plan(
+        wrapper.plan(
             qo_indptr=indptr,
             kv_indptr=indptr,
             num_qo_heads=spec.num_heads,
@@ -208,24 +250,58 @@ class FlashinferBackend(PrefillBackend):
             kv_data_type=spec.dtype,
             o_data_type=spec.output_dtype,
         )
-        counter = self._serials.setdefault(params.device, _DeviceSerial())
-        counter.value += 1
-        return RaggedPlan(slot, counter, counter.value, choice, mode, indptr)
+        return mode
 
-    def attend(self, views: QKVViews, plan: PrefillPlan) -> torch.Tensor:
+    def plan_kernel(
+        self, spec: AttentionSpec, params: FMHAParams, *, fused_rope: bool
+    ) -> RaggedPlan:
+        choice = choose_kernel(spec, device_sm(params.device), fused_rope)
+        stream = stream_key(params.device)
+        key: PoolKey = (stream[0], stream[1], choice.backend)
+        wrapper = POOL.lease(key, WORKSPACES.get(stream))
+        indptr = host_indptr(nonempty_lengths(params.input_lengths))
+        try:
+            mode = self._plan_wrapper(wrapper, spec, indptr, fused_rope)
+        except BaseException:
+            POOL.give_back(key, wrapper, CompletionMarker(params.device))
+            raise
+        plan = RaggedPlan(wrapper, choice, mode, indptr, stream)
+        weakref.finalize(plan, POOL.give_back, key, wrapper, CompletionMarker(params.device))
+        return plan
+
+    def plan_graph_kernel(
+        self, spec: AttentionSpec, bucket: GraphBucket, device: torch.device, *, fused_rope: bool
+    ) -> GraphRagged:
+        import flashinfer  # lazily: a GPU library
+
+        choice = choose_kernel(spec, device_sm(device), fused_rope)
+        indptr = torch.zeros(bucket.slots + 1, dtype=torch.int32, device=device)
+        wrapper = flashinfer.BatchPrefillWithRaggedKVCacheWrapper(
+            WORKSPACES.get(stream_key(device)),
+            kv_layout="NHD",
+            use_cuda_graph=True,
+            qo_indptr_buf=indptr,
+            kv_indptr_buf=indptr,
+            backend=choice.backend,
+        )
+        return GraphRagged(wrapper, choice, _pos_encoding(fused_rope), indptr)
+
+    def replan_graph_kernel(
+        self, spec: AttentionSpec, kernel: object, slots: tuple[int, ...]
+    ) -> None:
+        if not isinstance(kernel, GraphRagged):
+            raise BackendFailure(f"{self.name} got a graph plan it did not make: {kernel!r}")
+        if kernel.planned is not None:
+            kernel.planned.wait()
+        fused = kernel.pos_encoding_mode != "NONE"
+        self._plan_wrapper(kernel.wrapper, spec, host_indptr(slots), fused)
+        kernel.planned = CompletionMarker(kernel.indptr.device)
+
+    def attend(self, views: QKVViews, plan: AnyPlan) -> torch.Tensor:
         kernel = plan.kernel
-        if not isinstance(kernel, RaggedPlan):
+        if type(kernel) is not RaggedPlan and type(kernel) is not GraphRagged:
             raise BackendFailure(f"{self.name} got a plan it did not make: {kernel!r}")
-        if kernel.serial != kernel.counter.value:
-            raise ParamsError(
-                f"{self.name}: this plan was replaced by a later prepare() on the same backend "
-                "and device (flashinfer keeps one plan per wrapper); run forward() with the "
-                "newest plan, or bind another backend instance for batches in flight together"
-            )
-        spec = plan.spec
-        views = realigned(views, spec)
-        out = torch.empty(views.q.shape, dtype=spec.output_dtype, device=views.q.device)
-        kernel.slot.wrapper.run(views.q, views.k, views.v, out=out)
+        out: torch.Tensor = kernel.wrapper.run(views.q, views.k, views.v)
         return out
 
 

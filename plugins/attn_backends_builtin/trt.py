@@ -27,6 +27,7 @@ from typing import Literal
 import torch
 
 from attn_backends import (
+    AnyPlan,
     AttentionSpec,
     BackendFailure,
     Capabilities,
@@ -35,7 +36,6 @@ from attn_backends import (
     Platform,
     PluginManifest,
     PrefillBackend,
-    PrefillPlan,
     PriorityRule,
     QKVViews,
     hookimpl,
@@ -44,11 +44,12 @@ from attn_backends._dtypes import dtype_name
 
 from ._flashinfer_common import (
     SIXTEEN_BIT,
-    DeviceBuffers,
     JitModule,
+    StreamBuffers,
+    is_aligned,
     nonempty_lengths,
     prefix_sums,
-    realigned,
+    stream_key,
 )
 
 API_VERSION = "1.0"
@@ -61,6 +62,9 @@ TRT_HEAD_DIMS = frozenset({32, 40, 48, 64, 80, 96, 104, 128, 160, 192, 256})
 """``head_size_qk_warpspec_values`` of flashinfer's sm90 FMHA v2 generator."""
 
 TrtMask = Literal["causal", "padding"]
+WORKSPACES = StreamBuffers(WORKSPACE_BYTES)
+"""One workspace per device and stream: the tile counter inside is consumed by each kernel
+before the next one of the same stream runs (see `StreamBuffers`)."""
 
 
 def trt_mask_mode(causal: bool) -> TrtMask:
@@ -104,12 +108,11 @@ class TrtBackend(PrefillBackend):
         ),
     )
 
-    def __init__(self, spec: AttentionSpec | None = None) -> None:
-        super().__init__(spec)
-        self._workspaces = DeviceBuffers(WORKSPACE_BYTES)
-
     def input_layout(self, spec: AttentionSpec) -> InputLayout:
         return "dense-packed"
+
+    def accepts_rows(self, rows: torch.Tensor) -> bool:
+        return is_aligned(rows)
 
     def describe(self, platform: Platform) -> dict[str, str]:
         spec = self.bound_spec()
@@ -129,7 +132,7 @@ class TrtBackend(PrefillBackend):
         device = params.device
         lengths = nonempty_lengths(params.input_lengths)
         return TrtPlan(
-            workspace=self._workspaces.get(device),
+            workspace=WORKSPACES.get(stream_key(device)),
             seq_lens=torch.tensor(lengths, dtype=torch.int32).to(device),
             cu_seqlens=torch.tensor(prefix_sums(lengths), dtype=torch.int32).to(device),
             batch_size=len(lengths),
@@ -137,12 +140,11 @@ class TrtBackend(PrefillBackend):
             mask_mode=trt_mask_mode(spec.causal),
         )
 
-    def attend(self, views: QKVViews, plan: PrefillPlan) -> torch.Tensor:
+    def attend(self, views: QKVViews, plan: AnyPlan) -> torch.Tensor:
         kernel = plan.kernel
         if not isinstance(kernel, TrtPlan):
             raise BackendFailure(f"{self.name} got a plan it did not make: {kernel!r}")
         spec = plan.spec
-        views = realigned(views, spec)
         rows = views.packed
         if not rows.is_contiguous():
             raise BackendFailure(f"{self.name} needs dense packed rows; the contract gave strided")

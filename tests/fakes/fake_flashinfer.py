@@ -407,7 +407,13 @@ class FakeFlashinfer:
 
 
 def install(monkeypatch: pytest.MonkeyPatch) -> FakeFlashinfer:
-    """Put a fresh fake at ``sys.modules["flashinfer"]`` for one test; monkeypatch undoes it."""
+    """Put a fresh fake at ``sys.modules["flashinfer"]`` for one test; monkeypatch undoes it.
+
+    The plugin's wrapper pool is swapped for an empty one too: wrappers leased under another
+    test's fake must not serve this one."""
+    from attn_backends_builtin import flashinfer as plugin
+
+    monkeypatch.setattr(plugin, "POOL", plugin.WrapperPool())
     fake = FakeFlashinfer()
     root, prefill = fake.modules()
     monkeypatch.setitem(sys.modules, "flashinfer", root)
