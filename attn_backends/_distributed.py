@@ -5,21 +5,33 @@ a missing library on one node, a different GPU, an ``ATTN_BACKEND`` set on one h
 kernels give numerically different heads and are hard to notice. These functions gather every
 rank's decision fingerprint over `torch.distributed` (gloo, NCCL, any backend) and raise
 `RankMismatchError` on every rank, naming the ranks and their choices, when they differ.
+
+A rank whose own step fails, with any exception, still joins the collective carrying its error,
+so every rank raises the same `RankMismatchError` at once instead of the others waiting for the
+process-group timeout.
 """
 
 from __future__ import annotations
 
 import json
+from collections.abc import Callable
 from dataclasses import asdict, dataclass
 
 import torch
 import torch.distributed as dist
 
-from ._errors import AttentionBackendError, RankMismatchError
+from ._errors import RankMismatchError
+from ._fingerprint import canonical, canonical_json, canonical_text, differing_fields
 from ._platform import Platform
 from ._registry import Registry
 from ._selector import Selection, select
 from ._spec import AttentionSpec
+
+_ERROR_CHARS = 2000
+"""A failed rank's error message is cut to this length before it is sent to every rank."""
+EXPLAINING_DETAILS = frozenset({"preprocess_fallback"})
+"""Detail entries that explain a choice rather than make it, left out of the fingerprint: their
+text may name a host, a PID or a path, which differ between ranks that chose alike."""
 
 
 @dataclass(frozen=True)
@@ -32,25 +44,75 @@ class RankDecision:
     backend: str | None
     """Selected backend; None when this rank's selection raised."""
     fingerprint: str | None
-    """`Selection.fingerprint`: backend, its internal choices and the spec."""
+    """`rank_fingerprint`: backend, its internal choices, the spec, the device and the library
+    versions, as canonical JSON; None when this rank's selection raised."""
     details: str = ""
     error: str | None = None
+    """The message of the exception this rank's selection raised (None: it did not)."""
+    error_type: str | None = None
+    """That exception's class name, e.g. ``NoBackendError`` or ``RuntimeError``."""
 
     def describe(self) -> str:
-        if self.error is not None:
-            return f"no backend ({self.error})"
-        return f"{self.backend} [{self.details}]" if self.details else str(self.backend)
+        if self.error is None and self.error_type is None:
+            return f"{self.backend} [{self.details}]" if self.details else str(self.backend)
+        first = (self.error or "").strip().splitlines()
+        return f"no backend ({self.error_type}: {first[0] if first else ''})"
 
 
 def _rank() -> int:
     return dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
 
 
+def rank_fingerprint(selection: Selection) -> str:
+    """Canonical JSON of everything the decision depends on, equal on ranks that chose alike.
+
+    Unlike `Selection.fingerprint` it holds the device and the library versions (torch and its
+    CUDA/HIP build, and the optional libraries the platform recorded), since two ranks with
+    different versions may run the same backend name with different kernels.
+    """
+    platform = selection.platform
+    versions: dict[str, object] = {
+        "torch": torch.__version__,
+        "torch_cuda": torch.version.cuda,
+        "torch_hip": torch.version.hip,
+    }
+    versions.update(platform.libraries)
+    return canonical_json(
+        {
+            "backend": selection.name,
+            "details": {
+                key: canonical_text(value)
+                for key, value in selection.details
+                if key not in EXPLAINING_DETAILS
+            },
+            "spec": canonical(selection.spec.to_dict()),
+            "platform": {
+                "kind": platform.kind,
+                "arch": platform.arch,
+                "device_name": platform.device_name,
+                "assumed": platform.assumed,
+            },
+            "versions": versions,
+        }
+    )
+
+
 def decision_of(selection: Selection) -> RankDecision:
     """This rank's decision, ready to gather."""
     details = ", ".join(f"{k}={v}" for k, v in selection.details)
     return RankDecision(
-        _rank(), str(selection.platform), selection.name, selection.fingerprint(), details
+        _rank(), str(selection.platform), selection.name, rank_fingerprint(selection), details
+    )
+
+
+def _failed(exc: Exception, where: str) -> RankDecision:
+    return RankDecision(
+        _rank(),
+        where,
+        None,
+        None,
+        error=str(exc)[:_ERROR_CHARS],
+        error_type=type(exc).__name__,
     )
 
 
@@ -84,7 +146,17 @@ def _all_gather_bytes(payload: bytes, group: dist.ProcessGroup | None) -> list[b
 def _gather(mine: RankDecision, group: dist.ProcessGroup | None) -> tuple[RankDecision, ...]:
     if not (dist.is_available() and dist.is_initialized()):
         return (mine,)
-    payloads = _all_gather_bytes(json.dumps(asdict(mine)).encode(), group)
+    try:
+        payloads = _all_gather_bytes(json.dumps(asdict(mine)).encode(), group)
+    except RuntimeError as exc:  # torch.distributed reports a lost or late peer as RuntimeError
+        first = str(exc).strip().splitlines()
+        raise RankMismatchError(
+            f"rank {mine.rank} could not gather the other ranks' decisions ({type(exc).__name__}: "
+            f"{first[0] if first else ''}); every rank of the group must call "
+            "select_across_ranks or check_consistent_across_ranks, and with NCCL each rank must "
+            "set its CUDA device first",
+            (mine,),
+        ) from exc
     decisions = []
     for payload in payloads:
         try:
@@ -97,17 +169,46 @@ def _gather(mine: RankDecision, group: dist.ProcessGroup | None) -> tuple[RankDe
     return tuple(decisions)
 
 
+def _rank_list(ranks: list[int]) -> str:
+    return ("rank " if len(ranks) == 1 else "ranks ") + ", ".join(map(str, ranks))
+
+
+def _field_lines(decisions: tuple[RankDecision, ...]) -> list[str]:
+    """One line per fingerprint field that differs, with the ranks holding each value."""
+    ranks: list[int] = []
+    records: list[object] = []
+    for d in decisions:
+        if d.fingerprint is None:
+            continue
+        try:
+            records.append(json.loads(d.fingerprint))
+        except ValueError:
+            return []  # a rank on another attn-backends version: the decision lines say enough
+        ranks.append(d.rank)
+    lines = []
+    for path, values in differing_fields(records):
+        holders: dict[str, list[int]] = {}
+        for rank, value in zip(ranks, values, strict=True):
+            holders.setdefault(json.dumps(value), []).append(rank)
+        shown = "; ".join(f"{value} on {_rank_list(rs)}" for value, rs in holders.items())
+        lines.append(f"  {path} differs: {shown}")
+    return lines
+
+
 def _message(decisions: tuple[RankDecision, ...]) -> str:
-    groups: dict[tuple[str, str | None, str | None], list[int]] = {}
+    groups: dict[tuple[str, str | None, str], list[int]] = {}
     for d in decisions:
         groups.setdefault((d.platform, d.fingerprint, d.describe()), []).append(d.rank)
     lines = ["the ranks did not reach one decision on the no-cache prefill attention backend:"]
     for (platform, _, text), ranks in groups.items():
-        label = "rank" if len(ranks) == 1 else "ranks"
-        lines.append(f"  {label} {', '.join(map(str, ranks))} ({platform}): {text}")
-    texts = {text for _, _, text in groups}
-    if len(texts) < len({fp for _, fp, _ in groups}):
-        lines.append("  (the same backend name with different specs or kernel choices)")
+        lines.append(f"  {_rank_list(ranks)} ({platform}): {text}")
+    failed = [d.rank for d in decisions if d.fingerprint is None]
+    if failed:
+        lines.append(
+            f"  {_rank_list(failed)} failed to select (error shown above); every rank raises "
+            "this same error, so fix it where it happened"
+        )
+    lines.extend(_field_lines(decisions))
     lines.append(
         "every rank must run the same backend: choose it explicitly on all ranks (backend= or "
         "$ATTN_BACKEND), or give every rank the same GPU type, libraries and environment"
@@ -115,11 +216,26 @@ def _message(decisions: tuple[RankDecision, ...]) -> str:
     return "\n".join(lines)
 
 
-def _check(mine: RankDecision, group: dist.ProcessGroup | None) -> tuple[RankDecision, ...]:
+def _agree(decisions: tuple[RankDecision, ...]) -> bool:
+    return all(d.fingerprint is not None for d in decisions) and (
+        len({d.fingerprint for d in decisions}) == 1
+    )
+
+
+def _exchange(
+    decide: Callable[[], RankDecision], where: str, group: dist.ProcessGroup | None
+) -> tuple[RankDecision, ...]:
+    """Decide locally, whatever happens, then gather; raise `RankMismatchError` on every rank
+    unless all decided alike. A local failure is re-raised as the cause on its own rank."""
+    failure: Exception | None = None
+    try:
+        mine = decide()
+    except Exception as exc:  # any local failure must still reach the collective
+        failure = exc
+        mine = _failed(exc, where)
     decisions = _gather(mine, group)
-    failed = any(d.error is not None for d in decisions)
-    if failed or len({d.fingerprint for d in decisions}) > 1:
-        raise RankMismatchError(_message(decisions), decisions)
+    if not _agree(decisions):
+        raise RankMismatchError(_message(decisions), decisions) from failure
     return decisions
 
 
@@ -133,7 +249,8 @@ def check_consistent_across_ranks(
     rank's CUDA device first (``torch.cuda.set_device``), as for any object collective. If a
     rank may fail to select, use `select_across_ranks` so that it still joins the collective.
     """
-    return _check(decision_of(selection), group)
+    where = str(selection.platform) if isinstance(selection, Selection) else "no Selection given"
+    return _exchange(lambda: decision_of(selection), where, group)
 
 
 def select_across_ranks(
@@ -148,9 +265,15 @@ def select_across_ranks(
     registry: Registry | None = None,
     strict: bool | None = None,
 ) -> Selection:
-    """`select` on every rank, then the cross-rank check; a rank whose selection fails still
-    joins the collective, so every rank raises instead of the others hanging."""
-    try:
+    """`select` on every rank, then the cross-rank check.
+
+    A rank whose selection raises (any `Exception`; ``KeyboardInterrupt`` still propagates)
+    joins the collective with its error, so every rank raises the same `RankMismatchError`,
+    naming the failed rank and its error, instead of the others hanging.
+    """
+    chosen: list[Selection] = []
+
+    def decide() -> RankDecision:
         selection = select(
             spec,
             device=device,
@@ -161,11 +284,9 @@ def select_across_ranks(
             registry=registry,
             strict=strict,
         )
-    except AttentionBackendError as exc:
-        where = str(platform) if platform is not None else str(device or "this machine")
-        first = str(exc).splitlines()[0] if str(exc) else ""
-        mine = RankDecision(_rank(), where, None, None, error=f"{type(exc).__name__}: {first}")
-        decisions = _gather(mine, group)
-        raise RankMismatchError(_message(decisions), decisions) from exc
-    check_consistent_across_ranks(selection, group)
-    return selection
+        chosen.append(selection)
+        return decision_of(selection)
+
+    where = str(platform) if platform is not None else str(device or "this machine")
+    _exchange(decide, where, group)
+    return chosen[0]

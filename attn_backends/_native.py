@@ -5,6 +5,10 @@ torch's extension loader (hipified automatically on ROCm) into a cache directory
 sources and the torch build, so later processes only load it. It registers the torch operator
 ``attn_backends_native::rope_logn_``. Any failure becomes one `NativeBuildError`, remembered
 for the process, so a machine without a compiler pays the check once.
+
+The cache is private to the user and checked before a library in it is loaded
+(`_native_cache`); builds are serialised by a lock that a killed builder cannot leave held, and
+a wait for another builder is bounded (`_build_lock`).
 """
 
 from __future__ import annotations
@@ -15,12 +19,15 @@ import os
 import re
 import shutil
 import threading
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import torch
 
+from ._build_lock import build_lock
 from ._errors import NativeBuildError
+from ._native_cache import CACHE_PARTS, cache_base, check_libraries, private_dir, private_tree
 from ._spec import AttentionSpec
 
 logger = logging.getLogger("attn_backends")
@@ -31,6 +38,9 @@ MAX_ROTARY_DIM = 512
 NATIVE_DTYPES = frozenset({torch.float32, torch.float16, torch.bfloat16})
 _EXTENSION = "attn_backends_rope_logn"
 _FLAGS = ("-O3",)
+BUILD_WAIT_S = 600.0
+"""How long a process waits for another one building the same kernel before it gives up (and
+the pre-processing falls back to torch); a build takes about a minute."""
 
 _lock = threading.Lock()
 _op: Any = None
@@ -52,8 +62,7 @@ def source_dir() -> Path:
 
 def cache_root() -> Path:
     """Where builds live: ``$XDG_CACHE_HOME/attn_backends/native`` (``~/.cache`` by default)."""
-    base = os.environ.get("XDG_CACHE_HOME") or str(Path.home() / ".cache")
-    return Path(base) / "attn_backends" / "native"
+    return cache_base().joinpath(*CACHE_PARTS)
 
 
 def toolchain_problem() -> str | None:
@@ -94,8 +103,8 @@ def _build_tag(src: Path) -> str:
 
 
 def _stage_sources(src: Path, target: Path) -> None:
-    """Copy the sources to a writable place: the ROCm build writes hipified files beside them."""
-    target.mkdir(parents=True, exist_ok=True)
+    """Copy the sources into ``target`` (made by `build_dirs`): the ROCm build writes hipified
+    files beside them."""
     for name in SOURCES:
         dest = target / name
         data = (src / name).read_bytes()
@@ -106,35 +115,100 @@ def _stage_sources(src: Path, target: Path) -> None:
         os.replace(tmp, dest)
 
 
-def _build_and_load() -> Any:
+@dataclass(frozen=True)
+class BuildDirs:
+    """Where one build lives: ``root`` is keyed by the sources and the torch build."""
+
+    root: Path
+
+    @property
+    def src(self) -> Path:
+        """Staged sources (the ROCm build writes hipified copies beside them)."""
+        return self.root / "src"
+
+    @property
+    def build(self) -> Path:
+        return self.root / "build"
+
+    @property
+    def lock(self) -> Path:
+        """Our build lock (`build_lock`), outside the build directory torch manages."""
+        return self.root / "build.lock"
+
+    @property
+    def baton(self) -> Path:
+        """The lock file torch's extension loader creates in the build directory."""
+        return self.build / "lock"
+
+
+def build_dirs() -> BuildDirs:
+    """This build's directories, created private to the user and checked; `NativeBuildError`
+    names a directory that someone else owns or can write, and how to fix it."""
+    dirs = BuildDirs(private_tree(cache_base(), (*CACHE_PARTS, _build_tag(source_dir()))))
+    private_dir(dirs.src)
+    private_dir(dirs.build)
+    return dirs
+
+
+def build_library() -> None:
+    """Build (or find built) and load the kernel library into this process.
+
+    Raises `NativeBuildError` when the toolchain is missing, the cache is not private to the
+    user or cannot be used, another builder holds the lock past `BUILD_WAIT_S`, or the build
+    itself fails.
+    """
     problem = toolchain_problem()
     if problem is not None:
         raise NativeBuildError(f"native RoPE/logn kernel unavailable: {problem}")
+    try:
+        dirs = build_dirs()
+        with build_lock(dirs.lock, dirs.baton, BUILD_WAIT_S):
+            check_libraries(dirs.build)
+            _compile(dirs)
+    except OSError as exc:  # the cache itself: a full disk, a symlinked lock, a vanished path
+        raise NativeBuildError(
+            f"the native-kernel cache {cache_root()} cannot be used ({exc}); delete it so that "
+            "it is recreated, or point XDG_CACHE_HOME at a directory only you can write"
+        ) from exc
+
+
+def _compile(dirs: BuildDirs) -> None:
+    """torch's extension loader: builds what changed, then loads the library."""
     from torch.utils import cpp_extension
 
-    src = source_dir()
-    root = cache_root() / _build_tag(src)
-    staged = root / "src"
-    build = root / "build"
     try:
-        _stage_sources(src, staged)
-        build.mkdir(parents=True, exist_ok=True)
+        _stage_sources(source_dir(), dirs.src)
         cpp_extension.load(
             name=_EXTENSION,
-            sources=[str(staged / "rope_logn.cu"), str(staged / "rope_logn_binding.cpp")],
+            sources=[str(dirs.src / "rope_logn.cu"), str(dirs.src / "rope_logn_binding.cpp")],
             extra_cflags=list(_FLAGS),
             extra_cuda_cflags=list(_FLAGS),
-            extra_include_paths=[str(staged)],
-            build_directory=str(build),
+            extra_include_paths=[str(dirs.src)],
+            build_directory=str(dirs.build),
             is_python_module=False,
         )
-        return torch.ops.attn_backends_native.rope_logn_
     except Exception as exc:  # compiler, linker, loader and file errors come in many types
-        logger.warning("building the native RoPE/logn kernel in %s failed: %s", build, exc)
+        logger.warning("building the native RoPE/logn kernel in %s failed: %s", dirs.build, exc)
         first = str(exc).strip().splitlines()[0] if str(exc).strip() else ""
         raise NativeBuildError(
-            f"building the native RoPE/logn kernel failed ({type(exc).__name__}: {first[:200]}); "
-            "the full compiler output is in the log"
+            f"building the native RoPE/logn kernel failed ({type(exc).__name__}: "
+            f"{first[:200]}); the full compiler output is in the log"
+        ) from exc
+
+
+def _operator() -> Any:
+    """The operator the library registered (untyped: it comes from ``torch.ops``)."""
+    return torch.ops.attn_backends_native.rope_logn_
+
+
+def _build_and_load() -> Any:
+    build_library()
+    try:
+        return _operator()
+    except (AttributeError, RuntimeError) as exc:
+        raise NativeBuildError(
+            f"the native kernel library loaded but registered no rope_logn_ operator ({exc}); "
+            f"delete '{cache_root()}' so that it is rebuilt from the installed sources"
         ) from exc
 
 
