@@ -38,7 +38,7 @@ from ._graph import PAD_CHUNK, GraphBucket, GraphPlan
 from ._hooks import ENTRY_POINT_GROUP, PLUGIN_API_VERSION, PluginManifest, hookimpl, hookspec
 from ._params import FMHAParams
 from ._platform import Platform, detect_platform, parse_platform
-from ._protocol import NoCachePrefill
+from ._protocol import CudaGraphPrefill, NoCachePrefill
 from ._reasons import Reason, ReasonCode
 from ._reference import TOLERANCE, reference_attention, relative_error
 from ._registry import PluginPolicy, PluginRecord, Registry, get_registry, reset_registry
@@ -59,6 +59,7 @@ __all__ = [
     "CanaryResult",
     "Candidate",
     "Capabilities",
+    "CudaGraphPrefill",
     "FMHAParams",
     "Fp8Scales",
     "GraphBucket",

@@ -8,6 +8,7 @@ import torch
 
 from ._capabilities import Capabilities
 from ._contract import Fp8Scales, PrefillPlan, QKVInput
+from ._graph import GraphBucket, GraphPlan
 from ._params import FMHAParams
 from ._platform import Platform
 from ._reasons import Reason
@@ -58,4 +59,26 @@ class NoCachePrefill(Protocol):
         self, qkv: QKVInput, plan: PrefillPlan, *, fp8_scales: Fp8Scales | None = None
     ) -> torch.Tensor:
         """Attention over packed QKV: ``[token_q_num, Hq * D]``; no host sync, no cache."""
+        ...
+
+
+@runtime_checkable
+class CudaGraphPrefill(NoCachePrefill, Protocol):
+    """A backend that declares ``capabilities.cuda_graph`` also offers graph mode: a plan per
+    bucket, captured once, re-planned per batch (`GraphPlan.update`)."""
+
+    def prepare_graph(
+        self, bucket: GraphBucket, *, device: torch.device | str | None = None
+    ) -> GraphPlan:
+        """The bucket's plan; `GraphModeError` when graph mode cannot serve the spec."""
+        ...
+
+    def forward(
+        self,
+        qkv: QKVInput,
+        plan: PrefillPlan | GraphPlan,
+        *,
+        fp8_scales: Fp8Scales | None = None,
+    ) -> torch.Tensor:
+        """As `NoCachePrefill.forward`; with a `GraphPlan` the output has the bucket's rows."""
         ...

@@ -157,6 +157,23 @@ def conformance_cases(caps: Capabilities) -> list[ConformanceCase]:
     return cases
 
 
+def base_case(caps: Capabilities) -> ConformanceCase | None:
+    """The varlen case with RoPE the other generated checks start from (None: nothing to run)."""
+    cases = conformance_cases(caps)
+    return next((c for c in cases if c.id.endswith("-rope") and "causal" in c.id), None) or (
+        cases[0] if cases else None
+    )
+
+
+def graph_case(caps: Capabilities, device_type: str) -> ConformanceCase | None:
+    """The graph-mode case: the base case, with RoPE where graph mode has a pass for it (the
+    native kernel on a GPU); on CPU tensors without it (the torch pass is never replayed)."""
+    base = base_case(caps)
+    if base is None or device_type == "cuda" or base.spec.rope is None:
+        return base
+    return replace(base, id=base.id.replace("-rope", "-norope"), spec=replace(base.spec, rope=None))
+
+
 def refusal_cases(caps: Capabilities, platform: Platform) -> list[RefusalCase]:
     """Requests the backend did not declare; each must be refused with the given code."""
     dtypes = _float_dtypes(caps)

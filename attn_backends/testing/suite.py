@@ -7,8 +7,8 @@ backend's declared capabilities at collection time.
 from __future__ import annotations
 
 import hashlib
-from collections.abc import Sequence
-from dataclasses import dataclass
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, replace
 from typing import ClassVar
 
 import pytest
@@ -16,16 +16,33 @@ import torch
 
 from .._contract import QKVInput
 from .._errors import NoBackendError
+from .._graph import GraphBucket
 from .._params import FMHAParams
 from .._platform import Platform, detect_platform, parse_platform
+from .._preprocess import SEPARATE_MODES
+from .._protocol import CudaGraphPrefill
+from .._reasons import ReasonCode
 from .._reference import TOLERANCE, reference_attention, relative_error
 from .._registry import Registry, get_registry
-from .._selector import select
+from .._selector import Selection, select
 from .._spec import AttentionSpec
-from .cases import ConformanceCase, RefusalCase, conformance_cases, refusal_cases
+from .._untouched import unexpected_writes
+from .cases import (
+    ConformanceCase,
+    RefusalCase,
+    base_case,
+    conformance_cases,
+    graph_case,
+    refusal_cases,
+)
 
 PAD_VALUE = 1.0e4
 """Padding rows hold this: a kernel that reads them produces a visibly wrong output."""
+INTERLEAVED_LENGTHS = (7, 1, 19)
+"""The second batch of the interleaved-plans case: other lengths, so plans cannot agree."""
+GRAPH_BATCHES = ((5, 17, 1, 32), (40,), (3, 0, 9, 2, 11, 8), (96,))
+"""Batches replayed through one bucket (96 rows, 6 sequences): varlen, one sequence, the most
+sequences with an empty one, and a batch that fills every row."""
 
 
 def _seed(text: str) -> int:
@@ -73,19 +90,13 @@ def run_case(
 ) -> float:
     """Run one case through the public API and return its relative error.
 
-    Skips (``pytest.skip``) when the backend refuses the spec, asserting everything else: the
-    output, the untouched V columns, padding rows and neighbouring columns.
+    A case is generated from what the backend declares, so a refusal fails the test, unless
+    the platform itself rules the backend out (another device kind, arch or a missing
+    library: `selected_or_skip`). Asserts the output, and that nothing but the in-place
+    pass's own columns was written (V, padding rows, neighbouring columns).
     """
     spec = case.spec
-    try:
-        sel = select(
-            spec, backend=backend, platform=platform or detect_platform(device), registry=registry
-        )
-    except NoBackendError as exc:
-        pytest.skip(
-            f"{backend} refuses {case.id}: "
-            + "; ".join(str(r) for _, rs in exc.reasons for r in rs)
-        )
+    sel = selected_or_skip(backend, spec, case.id, device, registry, platform)
     params = FMHAParams.from_lengths(
         case.lengths, device=device, padded_rows=sum(case.lengths) + case.padding_rows
     )
@@ -106,18 +117,48 @@ def run_case(
     ref = reference_attention(data.pristine, spec, params)
     err = relative_error(out, ref)
     assert err < TOLERANCE[spec.dtype], f"relative error {err:.3g} >= {TOLERANCE[spec.dtype]}"
-    _check_untouched(spec, data, tokens)
-    if plan.preprocess == "fused":
-        assert torch.equal(data.packed, data.pristine), "fused RoPE must leave the input as it was"
+    _check_untouched(spec, data, tokens, plan.preprocess in SEPARATE_MODES)
     return err
 
 
-def _check_untouched(spec: AttentionSpec, data: PreparedInput, tokens: int) -> None:
-    v_cols = slice(spec.q_width + spec.kv_width, spec.qkv_width)
-    assert torch.equal(data.packed[:, v_cols], data.pristine[:, v_cols]), "V columns were written"
-    assert torch.equal(data.packed[tokens:], data.pristine[tokens:]), "padding rows were written"
-    if spec.rope is None and not spec.use_logn_attn:
-        assert torch.equal(data.packed, data.pristine), "input changed without RoPE/logn"
+_PLATFORM_CODES = frozenset(
+    {ReasonCode.PLATFORM, ReasonCode.ARCH, ReasonCode.LIBRARY_MISSING, ReasonCode.DISABLED}
+)
+
+
+def selected_or_skip(
+    backend: str,
+    spec: AttentionSpec,
+    case_id: str,
+    device: torch.device | str,
+    registry: Registry | None = None,
+    platform: Platform | None = None,
+    *,
+    cuda_graph: bool = False,
+) -> Selection:
+    """`select` the backend for a generated case: skip when only the platform rules it out,
+    fail when it refuses a spec its capabilities declare (a `supports()` regression)."""
+    try:
+        return select(
+            spec,
+            backend=backend,
+            platform=platform or detect_platform(device),
+            registry=registry,
+            cuda_graph=cuda_graph,
+        )
+    except NoBackendError as exc:
+        reasons = [r for _, rs in exc.reasons for r in rs]
+        text = "; ".join(str(r) for r in reasons)
+        if reasons and all(r.code in _PLATFORM_CODES for r in reasons):
+            pytest.skip(f"{backend} cannot run here ({case_id}): {text}")
+        pytest.fail(f"{backend} refuses {case_id}, which its capabilities declare: {text}")
+
+
+def _check_untouched(
+    spec: AttentionSpec, data: PreparedInput, tokens: int, rotates_in_place: bool
+) -> None:
+    written = unexpected_writes(data.pristine, data.packed, spec, tokens, rotates_in_place)
+    assert written is None, written
     width = data.backing.shape[1]
     extra = (width - spec.qkv_width) // 2
     if extra:
@@ -126,6 +167,108 @@ def _check_untouched(spec: AttentionSpec, data: PreparedInput, tokens: int) -> N
             (data.backing_pristine[:, :extra], data.backing_pristine[:, -extra:]), dim=1
         )
         assert torch.equal(outside, before), "columns outside the QKV slice were written"
+
+
+def run_interleaved(
+    backend: str,
+    case: ConformanceCase,
+    device: torch.device | str,
+    registry: Registry | None = None,
+    platform: Platform | None = None,
+) -> None:
+    """Two plans for different batches alive at once, from two callers with the same spec,
+    forwards interleaved: each matches the reference (a plan is a value)."""
+    spec = case.spec
+    first = selected_or_skip(backend, spec, case.id, device, registry, platform).backend
+    second = selected_or_skip(backend, spec, case.id, device, registry, platform).backend
+    batches = [(case.lengths, 0), (INTERLEAVED_LENGTHS, 2)]
+    runs = []
+    for caller, (lengths, pad) in zip((first, second), batches, strict=True):
+        params = FMHAParams.from_lengths(lengths, device=device, padded_rows=sum(lengths) + pad)
+        data = make_qkv(replace(case, lengths=lengths, padding_rows=pad), device, len(lengths))
+        runs.append((caller.prepare(params), params, data))
+    for i in (0, 1, 1, 0, 0, 1):
+        plan, params, data = runs[i]
+        caller = (first, second)[i]
+        qkv = data.pristine.clone()
+        out = caller.forward(qkv, plan)
+        err = relative_error(out, reference_attention(data.pristine, spec, params))
+        assert err < TOLERANCE[spec.dtype], (
+            f"plan {i} after the other was prepared and run: relative error {err:.3g}"
+        )
+
+
+def run_graph_mode(
+    backend: str,
+    case: ConformanceCase,
+    device: torch.device | str,
+    registry: Registry | None = None,
+    platform: Platform | None = None,
+) -> None:
+    """Graph mode for a backend that declares it: one bucket plan re-planned for batches of
+    different shapes; the valid rows match the reference, padding rows are never written. On
+    CUDA the forward is also captured once and replayed for each batch, bit for bit equal to
+    the same plan's eager forward."""
+    spec = case.spec
+    sel = selected_or_skip(backend, spec, case.id, device, registry, platform, cuda_graph=True)
+    bucket = GraphBucket(max_tokens=96, max_batch=6)
+    dev = torch.device(device)
+    backend_impl = sel.backend
+    assert isinstance(backend_impl, CudaGraphPrefill), (
+        f"{backend} declares cuda_graph but has no prepare_graph()"
+    )
+    plan = backend_impl.prepare_graph(bucket, device=dev)
+    static = torch.full((bucket.max_tokens, spec.qkv_width), PAD_VALUE, device=dev)
+    static = static.to(spec.dtype)
+    graph = None
+    for n, lengths in enumerate(GRAPH_BATCHES):
+        params = FMHAParams.from_lengths(lengths, device=dev, padded_rows=bucket.max_tokens)
+        data = make_qkv(
+            replace(case, lengths=lengths, padding_rows=bucket.max_tokens - sum(lengths)), dev, n
+        )
+        plan.update(params)
+        static.copy_(data.pristine)
+        eager = backend_impl.forward(static, plan).clone()
+        tokens = params.token_q_num
+        assert eager.shape == (bucket.max_tokens, spec.q_width)
+        err = relative_error(eager[:tokens], reference_attention(data.pristine, spec, params))
+        assert err < TOLERANCE[spec.dtype], f"graph plan, batch {lengths}: relative error {err:.3g}"
+        written = unexpected_writes(
+            data.pristine, static, spec, tokens, plan.preprocess in SEPARATE_MODES
+        )
+        assert written is None, written
+        if dev.type != "cuda":
+            continue
+        if graph is None:
+            graph = _capture(lambda: backend_impl.forward(static, plan), dev)
+        static.copy_(data.pristine)
+        graph.replay()
+        torch.cuda.synchronize(dev)
+        assert torch.equal(graph.output[:tokens], eager[:tokens]), (
+            f"replay differs from eager for batch {lengths}"
+        )
+
+
+@dataclass
+class _Captured:
+    graph: torch.cuda.CUDAGraph
+    output: torch.Tensor
+
+    def replay(self) -> None:
+        self.graph.replay()
+
+
+def _capture(step: Callable[[], torch.Tensor], device: torch.device) -> _Captured:
+    side = torch.cuda.Stream(device)  # type: ignore[no-untyped-call]
+    side.wait_stream(torch.cuda.current_stream(device))
+    with torch.cuda.stream(side):
+        for _ in range(2):
+            step()
+    torch.cuda.current_stream(device).wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        output = step()
+    return _Captured(graph, output)
 
 
 class NoCachePrefillConformance:
@@ -175,6 +318,16 @@ class NoCachePrefillConformance:
                 for refusal in refusal_cases(caps, platform):
                     params.append((name, refusal, platform))
                     ids.append(f"{name}-{refusal.id}")
+            elif metafunc.function.__name__ == "test_interleaved_plans":
+                base = base_case(caps)
+                if base is not None:
+                    params.append((name, base, device, platform))
+                    ids.append(f"{name}-{base.id}")
+            elif metafunc.function.__name__ == "test_graph_mode":
+                base = graph_case(caps, torch.device(device).type)
+                if base is not None and caps.cuda_graph:
+                    params.append((name, base, device, platform))
+                    ids.append(f"{name}-{base.id}")
             elif metafunc.function.__name__ == "test_refuses_kv_cache":
                 params.append((name, caps))
                 ids.append(name)
@@ -184,6 +337,16 @@ class NoCachePrefillConformance:
     def test_numeric(self, conformance_case: tuple[str, ConformanceCase, str, Platform]) -> None:
         name, case, device, platform = conformance_case
         run_case(name, case, device, platform=platform)
+
+    def test_interleaved_plans(
+        self, conformance_case: tuple[str, ConformanceCase, str, Platform]
+    ) -> None:
+        name, case, device, platform = conformance_case
+        run_interleaved(name, case, device, platform=platform)
+
+    def test_graph_mode(self, conformance_case: tuple[str, ConformanceCase, str, Platform]) -> None:
+        name, case, device, platform = conformance_case
+        run_graph_mode(name, case, device, platform=platform)
 
     def test_refuses_undeclared(self, conformance_case: tuple[str, RefusalCase, Platform]) -> None:
         name, refusal, platform = conformance_case

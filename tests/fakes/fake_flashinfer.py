@@ -254,8 +254,17 @@ class _FakeRaggedWrapper:
             raise TypeError("float_workspace_buffer must be a uint8 tensor")
         if a["kv_layout"] != "NHD" or a["backend"] not in SERVED_BACKENDS:
             raise NotImplementedError("the fake serves kv_layout NHD with backend auto/fa2/fa3")
-        if a["use_cuda_graph"] or a["jit_args"] is not None or a["custom_mask_buf"] is not None:
-            raise NotImplementedError("the fake serves no CUDA graphs, JIT variants or masks")
+        if a["jit_args"] is not None or a["custom_mask_buf"] is not None:
+            raise NotImplementedError("the fake serves no JIT variants or masks")
+        self._graph_bufs: tuple[torch.Tensor, torch.Tensor] | None = None
+        self._max_rows: int | None = None
+        if a["use_cuda_graph"]:
+            qo_buf, kv_buf = a["qo_indptr_buf"], a["kv_indptr_buf"]
+            if not isinstance(qo_buf, torch.Tensor) or not isinstance(kv_buf, torch.Tensor):
+                raise ValueError("qo_indptr_buf should be a torch.Tensor in cuda graph mode")
+            if len(qo_buf) != len(kv_buf):
+                raise ValueError("The length of kv_indptr_buf should be the same as qo_indptr_buf")
+            self._graph_bufs = (qo_buf, kv_buf)
         self._backend: str = a["backend"]
         self._plan: dict[str, Any] | None = None
 
@@ -276,12 +285,31 @@ class _FakeRaggedWrapper:
             raise NotImplementedError("the fake serves no sliding window or soft cap")
         if a["num_qo_heads"] % a["num_kv_heads"]:
             raise ValueError("num_qo_heads must be a multiple of num_kv_heads")
+        if self._graph_bufs is not None:
+            # CUDA-graph mode, as flashinfer checks it: a fixed batch size, no more rows than
+            # the first plan had, and the offsets copied into the fixed buffers in place.
+            qo_buf, kv_buf = self._graph_bufs
+            if len(qo) != len(qo_buf):
+                raise ValueError(
+                    f"The batch size should be fixed in cudagraph mode, the runtime batch size "
+                    f"{len(qo) - 1} mismatches the batch size set during initialization "
+                    f"{len(qo_buf) - 1}."
+                )
+            if self._max_rows is None:
+                self._max_rows = qo[-1]
+            elif qo[-1] > self._max_rows:
+                raise ValueError("The total number of rows in qo_indptr exceeds the first plan's")
+            qo_buf.copy_(a["qo_indptr"])
+            kv_buf.copy_(a["kv_indptr"])
         if self._backend == "auto":
             self._backend = "fa2"  # the fake knows no device; auto is sticky, as in flashinfer
         q_dtype = _dtype(a["q_data_type"])
         kv_dtype = _dtype(a["kv_data_type"]) if a["kv_data_type"] is not None else q_dtype
         o_dtype = _dtype(a["o_data_type"]) if a["o_data_type"] is not None else q_dtype
         self._plan = {**a, "cu": qo, "q_dtype": q_dtype, "kv_dtype": kv_dtype, "o_dtype": o_dtype}
+        if self._graph_bufs is not None:
+            # A captured run reads the offsets from the fixed buffer, whatever the host list says.
+            self._plan["graph_indptr"] = self._graph_bufs[0]
 
     def run(self, *args: Any, **kwargs: Any) -> torch.Tensor:
         a = _bind("BatchPrefillWithRaggedKVCacheWrapper.run", (self, *args), kwargs)
@@ -326,7 +354,10 @@ class _FakeRaggedWrapper:
         sm_scale = plan["sm_scale"]
         if sm_scale is None:
             sm_scale = 1.0 / math.sqrt(q.size(-1))
-        attention(q, k, v, plan["cu"], sm_scale, plan["causal"], out, rope)
+        cu = plan["cu"]
+        if "graph_indptr" in plan:
+            cu = [int(x) for x in plan["graph_indptr"].tolist()]
+        attention(q, k, v, cu, sm_scale, plan["causal"], out, rope)
         return out
 
 
