@@ -91,7 +91,7 @@ def _assert_runs(plan, kernel: str) -> None:
     assert plan.kernel.choice.backend == kernel
     # flashinfer's wrapper keeps the implementation it runs in ``_backend`` (private; read here
     # only to prove the explicit choice was honoured).
-    assert plan.kernel.slot.wrapper._backend == kernel
+    assert plan.kernel.wrapper._backend == kernel
 
 
 def test_flashinfer_runs_the_kernel_the_record_names():
