@@ -8,6 +8,7 @@ bucket's `GraphPlan`: the code path is identical, only the plan differs.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import torch
@@ -37,7 +38,7 @@ class TinyEncoder:
 
         def weight(rows: int, cols: int) -> torch.Tensor:
             w = torch.randn(rows, cols, device=device, generator=gen)
-            return (w * rows**-0.5).to(spec.dtype)
+            return (w / math.sqrt(rows)).to(spec.dtype)
 
         return cls(
             backend,
