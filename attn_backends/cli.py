@@ -1,64 +1,120 @@
-"""``attn-backends``: list backends, explain a selection, check a backend on this machine."""
+"""``attn-backends``: list backends, explain a selection, check a backend on this machine.
+
+Exit status: 0 done; 1 the answer is no (no backend fits, or the canary found wrong numbers);
+2 a usage mistake, told in one line on stderr; 141 (128 + SIGPIPE, as a shell reports for a tool
+stopped by a closed pipe) when stdout was closed before the output was written, said nothing.
+"""
 
 from __future__ import annotations
 
 import argparse
-import json
 import logging
+import os
 import sys
-from collections.abc import Sequence
-from dataclasses import replace
+from collections.abc import Mapping, Sequence
 
 import torch
 
+from . import __version__, _cli_args
 from ._canary import run_canary
 from ._capabilities import check_platform
-from ._dtypes import parse_dtype
-from ._errors import AttentionBackendError
-from ._platform import Platform, detect_platform, parse_platform
+from ._cli_args import CommandLineError, CommandParser, unrecognized
+from ._cli_json import dumps
+from ._cli_spec import spec_from_args
+from ._errors import AttentionBackendError, KVCacheFlagError, PlatformError, SpecError
+from ._platform import Platform, detect_platform
 from ._presets import PRESETS
 from ._registry import get_registry
-from ._selector import Selection, select
-from ._spec import AttentionSpec, RopeSpec
+from ._selector import BACKEND_ENV, Selection, select
 from .bench import cli as bench_cli
+
+__all__ = ["build_parser", "main", "spec_from_args"]
+
+PROG = "attn-backends"
+EXIT_OK = 0
+EXIT_NO = 1
+EXIT_USAGE = 2
+EXIT_PIPE_CLOSED = 141
+
+_USAGE_ERRORS = (CommandLineError, SpecError, PlatformError, KVCacheFlagError)
+"""Library errors that, on the command line, report what the user typed: exit 2, one line."""
 
 
 def _platform_of(args: argparse.Namespace) -> Platform:
-    if args.platform:
-        return parse_platform(args.platform)
-    return detect_platform(args.device)
+    plat: Platform | None = args.platform
+    return plat if plat is not None else detect_platform(args.device)
 
 
-def _add_platform_args(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument(
-        "--platform",
-        metavar="P",
-        help="dry run for another machine: cpu, cuda:sm90, rocm:gfx942 (library checks assumed)",
-    )
-    parser.add_argument(
-        "--device", metavar="DEV", help="device to inspect (default: cuda if present)"
+def _add_platform_args(parser: CommandParser, *, dry_run: bool) -> None:
+    where = parser.add_mutually_exclusive_group()
+    parser.set_defaults(platform=None)  # check has no --platform; it reads None like the others
+    if dry_run:
+        where.add_argument(
+            "--platform",
+            metavar="P",
+            type=_cli_args.platform,
+            help="dry run for another machine: cpu, cuda:sm90, rocm:gfx942 (library checks "
+            "assumed); excludes --device",
+        )
+    where.add_argument(
+        "--device",
+        metavar="DEV",
+        type=_cli_args.device,
+        help="device of this machine: cpu, cuda or cuda:N (default: cuda if present, else cpu)",
     )
     parser.add_argument("--json", action="store_true", help="print JSON instead of text")
 
 
-def _add_spec_args(parser: argparse.ArgumentParser) -> None:
-    g = parser.add_argument_group("attention spec (a preset, overridden by any flag given)")
+def _add_spec_args(parser: CommandParser) -> None:
+    g = parser.add_argument_group(
+        "attention spec",
+        "a preset, or --heads and --head-dim; each flag given replaces that field of the preset "
+        "and the fields not given keep the preset's value",
+    )
     g.add_argument("--preset", choices=sorted(PRESETS), help="start from a model's spec")
-    g.add_argument("--heads", type=int, help="query heads")
-    g.add_argument("--kv-heads", type=int, help="KV heads (default: --heads)")
-    g.add_argument("--head-dim", type=int, help="head dim")
-    g.add_argument("--dtype", help="fp16, bf16, fp32, fp8 ... (default bf16)")
+    g.add_argument("--heads", type=_cli_args.positive_int, metavar="N", help="query heads")
+    g.add_argument(
+        "--kv-heads",
+        type=_cli_args.positive_int,
+        metavar="N",
+        help="KV heads, dividing --heads (default: the preset's, else --heads)",
+    )
+    g.add_argument("--head-dim", type=_cli_args.positive_int, metavar="N", help="head dim")
+    g.add_argument(
+        "--dtype", type=_cli_args.dtype, help="fp16, bf16, fp32, fp8 ... (default: bf16)"
+    )
     mask = g.add_mutually_exclusive_group()
-    mask.add_argument("--causal", dest="causal", action="store_true", default=None)
-    mask.add_argument("--bidirectional", dest="causal", action="store_false")
-    g.add_argument("--rope-theta", type=float, help="enable RoPE with this theta")
-    g.add_argument("--rotary-dim", type=int, help="partial rotary dims (default: head dim)")
+    mask.add_argument(
+        "--causal", dest="causal", action="store_true", default=None, help="causal mask"
+    )
+    mask.add_argument(
+        "--bidirectional", dest="causal", action="store_false", help="no mask (BERT-like)"
+    )
+    g.add_argument(
+        "--rope-theta", type=_cli_args.rope_theta, metavar="T", help="enable RoPE with this theta"
+    )
+    g.add_argument(
+        "--rotary-dim",
+        type=_cli_args.even_positive_int,
+        metavar="N",
+        help="partial rotary dims (default: head dim); needs RoPE",
+    )
     g.add_argument("--interleaved", action="store_true", help="GPT-J style RoPE pairs")
     g.add_argument("--no-rope", action="store_true", help="drop the preset's RoPE")
-    g.add_argument("--logn-base", type=int, help="enable logn scaling with this base")
+    g.add_argument(
+        "--logn-base",
+        type=_cli_args.logn_base,
+        metavar="N",
+        help="enable logn scaling relative to this training context length",
+    )
     g.add_argument("--mla", action="store_true", help="the layer uses MLA")
     s = parser.add_argument_group("selection")
-    s.add_argument("--backend", help="explicit backend (refused with reasons if it does not fit)")
+    s.add_argument(
+        "--backend",
+        metavar="NAME",
+        help=f"explicit backend, refused with reasons if it does not fit (default: "
+        f"${BACKEND_ENV}, else by priority)",
+    )
     s.add_argument("--kv-cache", action="store_true", help="a KV cache is present")
     s.add_argument(
         "--need-rope-kv-cache",
@@ -67,50 +123,44 @@ def _add_spec_args(parser: argparse.ArgumentParser) -> None:
     )
 
 
-def spec_from_args(args: argparse.Namespace) -> AttentionSpec:
-    """Build the spec from a preset and/or flags; a missing required field is a usage error."""
-    base = PRESETS[args.preset] if args.preset else None
-    heads = args.heads if args.heads is not None else (base.num_heads if base else None)
-    dim = args.head_dim if args.head_dim is not None else (base.head_dim if base else None)
-    if heads is None or dim is None:
-        raise SystemExit("error: give --preset, or at least --heads and --head-dim")
-    kv = (
-        args.kv_heads
-        if args.kv_heads is not None
-        else (base.num_kv_heads if base and args.heads is None else heads)
-    )
-    dtype = parse_dtype(args.dtype) if args.dtype else (base.dtype if base else torch.bfloat16)
-    causal = args.causal if args.causal is not None else (base.causal if base else True)
-    rope = base.rope if base else None
-    if args.no_rope:
-        rope = None
-    if args.rope_theta is not None:
-        rope = RopeSpec(args.rope_theta, args.rotary_dim, args.interleaved)
-    elif rope is not None and (args.rotary_dim is not None or args.interleaved):
-        rope = replace(rope, rotary_dim=args.rotary_dim, interleaved=args.interleaved)
-    return AttentionSpec(
-        num_heads=heads,
-        num_kv_heads=kv,
-        head_dim=dim,
-        dtype=dtype,
-        causal=causal,
-        rope=rope,
-        use_logn_attn=args.logn_base is not None,
-        logn_base=args.logn_base,
-        use_mla=args.mla,
+def _check_backend_name(args: argparse.Namespace) -> None:
+    """An explicit backend name that nothing registered is a typo: say so, list the names."""
+    given: str | None = args.backend
+    env = os.environ.get(BACKEND_ENV, "").strip() or None
+    name = given if given is not None else env
+    registry = get_registry()
+    if name is None or registry.get(name) is not None:
+        return
+    known = ", ".join(sorted(e.backend.name for e in registry.entries()))
+    unloaded = sorted(r.name for r in registry.records() if r.status != "loaded")
+    note = f"; plugins that did not load: {', '.join(unloaded)}" if unloaded else ""
+    if given is not None:
+        raise CommandLineError(
+            f"--backend {name!r} is not a registered backend; use one of {known} "
+            f"(`attn-backends list` shows each){note}"
+        )
+    raise CommandLineError(
+        f"{BACKEND_ENV}={name!r} (from the environment) is not a registered backend; unset "
+        f"{BACKEND_ENV} or set it to one of {known}{note}"
     )
 
 
 def _select_from_args(args: argparse.Namespace) -> Selection:
-    flag = None if args.need_rope_kv_cache is None else args.need_rope_kv_cache == "true"
-    return select(
-        spec_from_args(args),
-        device=args.device,
-        has_kv_cache=args.kv_cache,
-        need_rope_kv_cache=flag,
-        backend=args.backend,
-        platform=_platform_of(args),
-    )
+    _check_backend_name(args)
+    spec = spec_from_args(args)
+    given: str | None = args.need_rope_kv_cache
+    try:
+        return select(
+            spec,
+            device=args.device,
+            has_kv_cache=args.kv_cache,
+            need_rope_kv_cache=None if given is None else given == "true",
+            backend=args.backend,
+            platform=args.platform,
+        )
+    except KVCacheFlagError as exc:
+        cache = "with --kv-cache" if args.kv_cache else "without --kv-cache"
+        raise CommandLineError(f"--need-rope-kv-cache {given} {cache}: {exc}") from exc
 
 
 def cmd_list(args: argparse.Namespace) -> int:
@@ -131,12 +181,8 @@ def cmd_list(args: argparse.Namespace) -> int:
         )
     plugins = [r.to_dict() for r in registry.records()]
     if args.json:
-        print(
-            json.dumps(
-                {"platform": platform.to_dict(), "backends": rows, "plugins": plugins}, indent=2
-            )
-        )
-        return 0
+        print(dumps({"platform": platform.to_dict(), "backends": rows, "plugins": plugins}))
+        return EXIT_OK
     print(f"platform: {platform}" + (" (dry run)" if platform.assumed else ""))
     for row, entry in zip(rows, registry.entries(), strict=True):
         state = "available" if row["available"] else "unavailable"
@@ -163,87 +209,154 @@ def cmd_list(args: argparse.Namespace) -> int:
         print("\nplugin problems:")
         for p in problems:
             print(f"  {p.name}: {p.status}: {p.error}  ({p.source})")
-    return 0
+    return EXIT_OK
 
 
 def cmd_explain(args: argparse.Namespace) -> int:
     selection = _select_from_args(args)
-    print(json.dumps(selection.to_dict(), indent=2) if args.json else selection.explain())
-    return 0
+    print(dumps(selection.to_dict()) if args.json else selection.explain())
+    return EXIT_OK
 
 
 def cmd_check(args: argparse.Namespace) -> int:
-    if args.platform:
-        raise SystemExit("error: check runs kernels on this machine; --platform is for explain")
     selection = _select_from_args(args)
-    device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    chosen: torch.device | None = args.device
+    device = chosen or torch.device("cuda" if torch.cuda.is_available() else "cpu")
     result = run_canary(selection.backend, selection.spec, device, seed=args.seed)
     ok = result.status == "passed"
     if args.json:
-        print(
-            json.dumps(
-                {"backend": selection.name, "device": str(device), **result.to_dict()}, indent=2
-            )
-        )
+        print(dumps({"backend": selection.name, "device": str(device), **result.to_dict()}))
     else:
         print(f"{'OK' if ok else 'MISMATCH'}: {selection.name}: {result.detail}")
-    return 0 if ok else 1
+    return EXIT_OK if ok else EXIT_NO
 
 
-def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
-        prog="attn-backends",
+_EPILOG = (
+    "exit status: 0 done; 1 no backend fits, or the canary found wrong numbers; 2 usage "
+    "mistake (one line on stderr); 141 stdout was closed early (e.g. by `| head`)"
+)
+
+
+def _build() -> tuple[CommandParser, dict[str, CommandParser]]:
+    parser = CommandParser(
+        prog=PROG,
         description="Pick, explain and check no-KV-cache prefill attention backends.",
+        epilog=_EPILOG,
+        allow_abbrev=False,
     )
     parser.add_argument("-v", "--verbose", action="store_true", help="log selection details")
-    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+    parser.add_argument("--version", action="version", version=f"{PROG} {__version__}")
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND")
     p_list = sub.add_parser(
         "list",
         help="every registered backend, available or not and why",
         description="List registered backends, their capabilities, "
         "availability on this machine (or --platform) and plugin errors.",
+        epilog=_EPILOG,
+        allow_abbrev=False,
     )
-    _add_platform_args(p_list)
+    _add_platform_args(p_list, dry_run=True)
     p_list.set_defaults(func=cmd_list)
     p_explain = sub.add_parser(
         "explain",
         help="which backend a spec gets, and why",
         description="Explain the selection for a spec: every candidate "
         "with its verdict and reasons, and where the decision came from.",
+        epilog=_EPILOG,
+        allow_abbrev=False,
     )
-    _add_platform_args(p_explain)
+    _add_platform_args(p_explain, dry_run=True)
     _add_spec_args(p_explain)
     p_explain.set_defaults(func=cmd_explain)
     p_check = sub.add_parser(
         "check",
         help="run a canary through the selected backend",
         description="Run a small varlen batch through the selected backend "
-        "on this machine and compare it with the float64 reference; exit 1 "
-        "on mismatch.",
+        "on a device of this machine and compare it with the float64 reference; exit 1 "
+        "on mismatch. For another machine's decision, use explain --platform.",
+        epilog=_EPILOG,
+        allow_abbrev=False,
     )
-    _add_platform_args(p_check)
+    _add_platform_args(p_check, dry_run=False)
     _add_spec_args(p_check)
-    p_check.add_argument("--seed", type=int, default=0, help="input seed (default 0)")
+    p_check.add_argument(
+        "--seed",
+        type=_cli_args.non_negative_int,
+        default=0,
+        metavar="N",
+        help="input seed (default 0)",
+    )
     p_check.set_defaults(func=cmd_check)
-    p_bench = sub.add_parser("bench", help="benchmark the no-cache prefill paths on a CUDA GPU")
+    p_bench = sub.add_parser(
+        "bench", help="benchmark the no-cache prefill paths on a CUDA GPU", allow_abbrev=False
+    )
     bench_cli.add_arguments(p_bench)
     p_bench.set_defaults(func=bench_cli.run)
-    return parser
+    return parser, dict(sub.choices)
 
 
-def main(argv: Sequence[str] | None = None) -> int:
-    parser = build_parser()
-    args = parser.parse_args(argv)
+def build_parser() -> CommandParser:
+    """The ``attn-backends`` parser (its mistakes raise `CommandLineError`)."""
+    return _build()[0]
+
+
+def _parse(
+    parser: CommandParser, commands: Mapping[str, CommandParser], argv: Sequence[str] | None
+) -> argparse.Namespace:
+    args, extras = parser.parse_known_args(argv)
+    command: str | None = args.command
+    if command is None:
+        raise CommandLineError(f"give a command: {', '.join(commands)} (see attn-backends --help)")
+    if extras:
+        raise unrecognized(command, extras, parser, commands)
+    return args
+
+
+def _one_line(text: str) -> str:
+    return "; ".join(line.strip() for line in text.splitlines() if line.strip())
+
+
+def _silence_stdout() -> None:
+    """Point file descriptor 1 at the null device, so the interpreter's flush at exit cannot
+    fail a second time on the closed pipe."""
+    try:
+        fd = sys.stdout.fileno()
+    except (OSError, ValueError):  # not a real file (captured in tests): nothing to flush
+        return
+    null = os.open(os.devnull, os.O_WRONLY)
+    os.dup2(null, fd)
+    os.close(null)
+
+
+def _run(argv: Sequence[str] | None) -> int:
+    parser, commands = _build()
+    try:
+        args = _parse(parser, commands, argv)
+    except SystemExit as done:  # --help and --version print, then exit
+        sys.stdout.flush()
+        return EXIT_OK if done.code in (None, 0) else EXIT_USAGE
     logging.basicConfig(
         level=logging.INFO if args.verbose else logging.WARNING,
         format="%(levelname)s %(name)s: %(message)s",
     )
-    try:
-        code: int = args.func(args)
-    except AttentionBackendError as exc:
-        print(f"error: {type(exc).__name__}: {exc}", file=sys.stderr)
-        return 1
+    code: int = args.func(args)
+    sys.stdout.flush()  # here, so that a closed pipe is seen while it can still be handled
     return code
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Run ``attn-backends`` with ``argv`` (default: the process's) and return the exit status."""
+    try:
+        return _run(argv)
+    except BrokenPipeError:
+        _silence_stdout()
+        return EXIT_PIPE_CLOSED
+    except _USAGE_ERRORS as exc:
+        print(f"{PROG}: error: {_one_line(str(exc))}", file=sys.stderr)
+        return EXIT_USAGE
+    except AttentionBackendError as exc:
+        print(f"{PROG}: {type(exc).__name__}: {exc}", file=sys.stderr)
+        return EXIT_NO
 
 
 if __name__ == "__main__":

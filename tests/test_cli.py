@@ -1,20 +1,43 @@
-"""The ``attn-backends`` command: list, explain (text, JSON, dry run), check, help."""
+"""The ``attn-backends`` command: list, explain (text, JSON, dry run), check, help, version, and
+every user mistake ending in one line on stderr with exit status 2."""
 
 from __future__ import annotations
 
+import importlib.metadata
 import json
+import os
 import subprocess
 import sys
 
 import pytest
+import torch
+from attn_backends_builtin import torch_sdpa
+from attn_backends_builtin.torch_sdpa import TorchSdpaBackend
 
-from attn_backends.cli import main
+import attn_backends as ab
+from attn_backends.cli import EXIT_PIPE_CLOSED, main
+from tests.static_plugin import StaticPlugin
+
+
+@pytest.fixture(autouse=True)
+def _clean_env(monkeypatch):
+    for var in ("ATTN_BACKEND", "ATTN_BACKENDS_STRICT", "ATTN_BACKENDS_DISABLE"):
+        monkeypatch.delenv(var, raising=False)
 
 
 def run(capsys, *argv):
     code = main(list(argv))
     out, err = capsys.readouterr()
     return code, out, err
+
+
+def strict_json(text):
+    """Parse as any strict JSON reader would: NaN and Infinity are not JSON."""
+
+    def refuse(token):
+        raise AssertionError(f"not JSON: {token}")
+
+    return json.loads(text, parse_constant=refuse)
 
 
 def test_explain_cpu_default(capsys):
@@ -40,10 +63,11 @@ def test_explain_json_dry_run(capsys):
         "--json",
     )
     assert code == 0
-    record = json.loads(out)
+    record = strict_json(out)
     assert record["selected"] == "torch-sdpa"
     assert record["platform"]["assumed"] is True
     assert record["spec"]["causal"] is False and record["spec"]["dtype"] == "float16"
+    assert record["spec"]["num_kv_heads"] == 12  # no preset: MHA
 
 
 def test_explain_flags_override_preset(capsys):
@@ -61,10 +85,39 @@ def test_explain_flags_override_preset(capsys):
         "--device",
         "cpu",
     )
-    spec = json.loads(out)["spec"]
+    spec = strict_json(out)["spec"]
     assert code == 0
     assert spec["rope"] == {"theta": 1e6, "rotary_dim": 64, "interleaved": True}
     assert spec["use_logn_attn"] is True and spec["logn_base"] == 8192
+
+
+@pytest.mark.parametrize(
+    ("flags", "expected"),
+    [
+        # Each flag replaces one field; every other field keeps the preset's value.
+        (
+            ["--preset", "bert-base", "--heads", "8", "--kv-heads", "8"],
+            {"num_heads": 8, "num_kv_heads": 8, "head_dim": 64, "causal": False, "rope": None},
+        ),
+        (
+            ["--preset", "qwen3-embedding-0.6b", "--heads", "32"],
+            {"num_heads": 32, "num_kv_heads": 8, "head_dim": 128, "causal": True},
+        ),
+        (["--preset", "short", "--no-rope"], {"rope": None, "num_kv_heads": 8}),
+        (
+            ["--preset", "short", "--rope-theta", "10000"],
+            {"rope": {"theta": 10000.0, "rotary_dim": 128, "interleaved": False}},
+        ),
+        (["--preset", "bert-base", "--causal", "--dtype", "fp32"], {"causal": True}),
+        (["--preset", "bert-base", "--head-dim", "128"], {"head_dim": 128, "num_heads": 12}),
+    ],
+    ids=["heads-and-kv", "heads-keeps-kv", "no-rope", "theta", "mask-dtype", "head-dim"],
+)
+def test_a_preset_flag_replaces_that_field_only(capsys, flags, expected):
+    code, out, err = run(capsys, "explain", *flags, "--platform", "cpu", "--json")
+    assert code == 0, err
+    spec = strict_json(out)["spec"]
+    assert {key: spec[key] for key in expected} == expected
 
 
 def test_explain_kv_cache_fails_with_reason(capsys):
@@ -73,23 +126,18 @@ def test_explain_kv_cache_fails_with_reason(capsys):
     assert "NoBackendError" in err and "no-KV-cache prefill only" in err
 
 
-def test_explain_flag_off_with_rope_fails(capsys):
-    code, _, err = run(
-        capsys, "explain", "--preset", "short", "--need-rope-kv-cache", "false", "--device", "cpu"
+def test_explicit_backend_that_does_not_fit_is_a_no_not_a_usage_error(capsys):
+    code, out, err = run(
+        capsys, "explain", "--preset", "short", "--backend", "headwise", "--device", "cpu"
     )
-    assert code == 1
-    assert "KVCacheFlagError" in err
-
-
-def test_explain_needs_a_spec(capsys):
-    with pytest.raises(SystemExit, match="--preset, or at least --heads"):
-        main(["explain"])
+    assert (code, out) == (1, "")
+    assert "NoBackendError" in err and "headwise" in err and "[headwise]" in err
 
 
 def test_list_shows_backends_and_capabilities(capsys):
     code, out, _ = run(capsys, "list", "--json", "--device", "cpu")
     assert code == 0
-    data = json.loads(out)
+    data = strict_json(out)
     sdpa = next(b for b in data["backends"] if b["name"] == "torch-sdpa")
     assert sdpa["available"] is True
     assert "bfloat16" in sdpa["capabilities"]["dtypes"]
@@ -102,24 +150,249 @@ def test_check_passes_on_reference(capsys):
     assert code == 0
     assert out.startswith("OK: torch-sdpa: canary passed on cpu")
     code, out, _ = run(capsys, "check", "--preset", "bert-base", "--device", "cpu", "--json")
-    data = json.loads(out)
+    data = strict_json(out)
     assert code == 0
     assert data["status"] == "passed"
     assert data["relative_error"] < data["tolerance"]
 
 
-def test_check_refuses_dry_run(capsys):
-    with pytest.raises(SystemExit, match="--platform is for explain"):
-        main(["check", "--preset", "short", "--platform", "cuda:sm90"])
+class _Blows(TorchSdpaBackend):
+    """Right shape and dtype, every value NaN: the canary's relative error is not finite."""
+
+    name = "blows-up"
+
+    def attend(self, views, plan):  # the plan type is the base class's to declare
+        return torch.full(views.q.shape, float("nan"), dtype=plan.spec.output_dtype)
+
+
+@pytest.fixture
+def blowing_registry():
+    reg = ab.Registry()
+    reg.register_plugin(torch_sdpa, name="torch-sdpa")
+    reg.register_plugin(StaticPlugin(_Blows()), name="vendor-blows-up")
+    ab.reset_registry(reg)
+    yield reg
+    ab.reset_registry()
+
+
+@pytest.mark.usefixtures("blowing_registry")
+def test_check_json_stays_json_when_the_error_is_not_finite(capsys):
+    code, out, _ = run(
+        capsys,
+        "check",
+        "--preset",
+        "bert-base",
+        "--backend",
+        "blows-up",
+        "--device",
+        "cpu",
+        "--json",
+    )
+    assert code == 1
+    data = strict_json(out)
+    assert data["status"] == "failed"
+    assert data["relative_error"] is None
+    assert data["relative_error_not_finite"] == "inf"
+    assert data["tolerance"] == ab.TOLERANCE[torch.bfloat16]
+    code, out, _ = run(
+        capsys, "check", "--preset", "bert-base", "--backend", "blows-up", "--device", "cpu"
+    )
+    assert code == 1
+    assert out.startswith("MISMATCH: blows-up:") and "relative error inf" in out
+
+
+# --- every mistake: one line on stderr, exit 2, nothing on stdout, no traceback ---------------
+
+MISTAKES = {
+    "dtype": (["explain", "--preset", "short", "--dtype", "int8"], ["--dtype", "'int8'", "bf16"]),
+    "device-name": (["explain", "--preset", "short", "--device", "banana"], ["'banana'", "cpu"]),
+    "device-kind": (["explain", "--preset", "short", "--device", "mps"], ["'mps'", "cuda:<index>"]),
+    "device-no-cuda": (
+        ["explain", "--preset", "short", "--device", "cuda"],
+        ["--device", "no CUDA device", "--device cpu", "--platform cuda:sm90"],
+    ),
+    "check-device-no-cuda": (
+        ["check", "--preset", "short", "--device", "cuda:0"],
+        ["no CUDA device", "--device cpu"],
+    ),
+    "list-device": (["list", "--device", "banana"], ["--device", "'banana'"]),
+    "platform": (["explain", "--preset", "short", "--platform", "mars"], ["'mars'", "cuda:sm90"]),
+    "platform-arch": (["list", "--platform", "cuda"], ["--platform", "cuda:sm90"]),
+    "device-and-platform": (
+        ["explain", "--preset", "short", "--device", "cpu", "--platform", "cpu"],
+        ["--platform", "--device", "one of them"],
+    ),
+    "preset": (["explain", "--preset", "nope"], ["--preset", "'nope'", "bert-base"]),
+    "backend": (
+        ["explain", "--preset", "short", "--backend", "nope"],
+        ["--backend 'nope'", "torch-sdpa", "attn-backends list"],
+    ),
+    "no-spec": (["explain"], ["--preset", "--heads and --head-dim"]),
+    "only-heads": (["check", "--heads", "8"], ["--preset", "--head-dim"]),
+    "heads-zero": (["explain", "--heads", "0", "--head-dim", "64"], ["--heads", "> 0", "0"]),
+    "heads-text": (["explain", "--heads", "x", "--head-dim", "64"], ["--heads", "integer", "'x'"]),
+    "head-dim-negative": (["explain", "--heads", "8", "--head-dim", "-64"], ["--head-dim"]),
+    "kv-heads": (
+        ["explain", "--heads", "8", "--kv-heads", "3", "--head-dim", "64"],
+        ["--heads 8", "--kv-heads 3", "dividing 8"],
+    ),
+    "preset-heads": (
+        ["explain", "--preset", "bert-base", "--heads", "8"],
+        ["--heads 8", "12 KV heads of preset bert-base", "--kv-heads"],
+    ),
+    "preset-kv-heads": (
+        ["explain", "--preset", "short", "--kv-heads", "3"],
+        ["16 query heads of preset short", "--kv-heads 3"],
+    ),
+    "theta-small": (["explain", "--preset", "short", "--rope-theta", "0.5"], ["--rope-theta"]),
+    "theta-nan": (["explain", "--preset", "short", "--rope-theta", "nan"], ["finite"]),
+    "theta-inf": (["explain", "--preset", "short", "--rope-theta", "inf"], ["finite"]),
+    "rotary-odd": (["explain", "--preset", "short", "--rotary-dim", "3"], ["--rotary-dim", "even"]),
+    "rotary-wide": (
+        ["explain", "--preset", "short", "--rotary-dim", "256"],
+        ["--rotary-dim 256", "128 head dim of preset short", "at most 128"],
+    ),
+    "rotary-without-rope": (
+        ["explain", "--preset", "bert-base", "--rotary-dim", "32"],
+        ["--rotary-dim", "preset bert-base has none", "--rope-theta"],
+    ),
+    "interleaved-without-rope": (
+        ["explain", "--heads", "8", "--head-dim", "64", "--interleaved"],
+        ["--interleaved", "has none", "--rope-theta"],
+    ),
+    "no-rope-contradiction": (
+        ["explain", "--preset", "short", "--no-rope", "--rope-theta", "1e4"],
+        ["--no-rope contradicts --rope-theta"],
+    ),
+    "odd-head-dim-rope": (
+        ["explain", "--heads", "4", "--head-dim", "65", "--rope-theta", "1e4"],
+        ["--head-dim 65", "--rotary-dim"],
+    ),
+    "logn-base": (["explain", "--preset", "short", "--logn-base", "1"], ["--logn-base", ">= 2"]),
+    "seed": (["check", "--preset", "short", "--seed", "-1"], ["--seed", ">= 0"]),
+    "causal-and-bidirectional": (
+        ["explain", "--preset", "short", "--causal", "--bidirectional"],
+        ["--bidirectional", "--causal", "not both"],
+    ),
+    "kv-flag-value": (
+        ["explain", "--preset", "short", "--need-rope-kv-cache", "maybe"],
+        ["--need-rope-kv-cache", "'maybe'"],
+    ),
+    "kv-flag-contradiction": (
+        ["explain", "--preset", "short", "--need-rope-kv-cache", "false", "--device", "cpu"],
+        ["--need-rope-kv-cache false", "skip RoPE", "Leave the flag unset"],
+    ),
+    "check-platform": (
+        ["check", "--preset", "short", "--platform", "cuda:sm90"],
+        ["--platform does not apply to check", "--device", "explain --platform"],
+    ),
+    "list-spec-flag": (["list", "--preset", "short"], ["--preset", "list", "check and explain"]),
+    "list-seed": (["list", "--seed", "3"], ["--seed does not apply to list", "check"]),
+    "verbose-after-command": (
+        ["explain", "--preset", "short", "-v"],
+        ["-v", "before the command"],
+    ),
+    "unknown-option": (["explain", "--fp8"], ["no option --fp8", "explain --help"]),
+    "positional": (["explain", "short"], ["'short'", "options only"]),
+    "no-command": ([], ["give a command", "list", "explain", "check", "bench"]),
+    "unknown-command": (["lst"], ["'lst'", "list"]),
+    "abbreviation": (["explain", "--pres", "short"], ["--pres"]),
+    "bench-iters": (["bench", "--iters", "3"], ["--iters", "at least 30"]),
+}
+
+
+@pytest.mark.parametrize(("argv", "fragments"), MISTAKES.values(), ids=MISTAKES.keys())
+def test_a_mistake_is_one_line_and_exit_2(monkeypatch, capsys, argv, fragments):
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    code, out, err = run(capsys, *argv)
+    assert code == 2
+    assert out == ""
+    assert err.endswith("\n") and err.count("\n") == 1, err
+    assert err.startswith("attn-backends: error: ")
+    for fragment in fragments:
+        assert fragment in err
+
+
+def test_a_cuda_index_past_the_last_device(monkeypatch, capsys):
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
+    code, _, err = run(capsys, "explain", "--preset", "short", "--device", "cuda:2")
+    assert code == 2
+    assert err == (
+        "attn-backends: error: argument --device: 'cuda:2': this machine has 2 CUDA device(s), "
+        "cuda:0 to cuda:1; pick one of those\n"
+    )
+
+
+def test_an_unknown_backend_from_the_environment(monkeypatch, capsys):
+    monkeypatch.setenv("ATTN_BACKEND", "nope")
+    code, _, err = run(capsys, "explain", "--preset", "short", "--device", "cpu")
+    assert code == 2
+    assert err.count("\n") == 1
+    assert "ATTN_BACKEND='nope' (from the environment)" in err and "unset ATTN_BACKEND" in err
+    # An explicit --backend wins over the environment, as in `select`.
+    code, out, _ = run(
+        capsys, "explain", "--preset", "short", "--device", "cpu", "--backend", "torch-sdpa"
+    )
+    assert code == 0 and "selected: torch-sdpa (by explicit)" in out
 
 
 @pytest.mark.parametrize("command", [[], ["list"], ["explain"], ["check"], ["bench"]])
-def test_help(command):
-    result = subprocess.run(
-        [sys.executable, "-m", "attn_backends.cli", *command, "--help"],
-        capture_output=True,
-        text=True,
-        check=False,
-    )
+def test_help(capsys, command):
+    code, out, err = run(capsys, *command, "--help")
+    assert (code, err) == (0, "")
+    assert out.startswith("usage: attn-backends")
+
+
+def test_check_offers_no_option_it_refuses(capsys):
+    assert main(["check", "--help"]) == 0
+    assert "--platform" not in capsys.readouterr().out.replace("explain --platform", "")
+
+
+def test_version(capsys):
+    code, out, err = run(capsys, "--version")
+    assert (code, err) == (0, "")
+    assert out == f"attn-backends {importlib.metadata.version('attn-backends')}\n"
+    assert out == f"attn-backends {ab.__version__}\n"
+
+
+def _cli(*argv: str) -> list[str]:
+    return [sys.executable, "-m", "attn_backends.cli", *argv]
+
+
+def test_a_real_process_warns_about_nothing():
+    """NumPy is a declared dependency: torch's "Failed to initialize NumPy" never shows."""
+    result = subprocess.run(_cli("--version"), capture_output=True, text=True, check=False)
     assert result.returncode == 0
-    assert "usage: attn-backends" in result.stdout
+    assert "NumPy" not in result.stderr
+    assert result.stderr == ""
+    assert result.stdout.startswith("attn-backends ")
+
+
+@pytest.mark.parametrize(
+    ("argv", "unbuffered"),
+    [
+        (["explain", "--preset", "short", "--platform", "cpu"], "0"),
+        (["explain", "--help"], "1"),
+    ],
+    ids=["output-buffered", "help-unbuffered"],
+)
+def test_a_pipe_closed_early_is_quiet(argv, unbuffered):
+    """The reader is gone before anything is written (like `| head` that already quit):
+    exit 141, no traceback, no "Exception ignored" at interpreter shutdown; the same whether
+    stdout is buffered (written at the end) or not (each write fails at once)."""
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONUNBUFFERED"}
+    if unbuffered == "1":
+        env["PYTHONUNBUFFERED"] = "1"
+    read_end, write_end = os.pipe()
+    os.close(read_end)
+    try:
+        result = subprocess.run(
+            _cli(*argv), stdout=write_end, stderr=subprocess.PIPE, text=True, env=env, check=False
+        )
+    finally:
+        os.close(write_end)
+    assert result.returncode == EXIT_PIPE_CLOSED
+    assert "Traceback" not in result.stderr
+    assert "BrokenPipe" not in result.stderr
+    assert "Exception ignored" not in result.stderr

@@ -1,0 +1,189 @@
+"""Argument parsing for ``attn-backends``: a parser whose mistakes are one named error, and
+value types that say which flag is wrong and what to give instead."""
+
+from __future__ import annotations
+
+import argparse
+import math
+import sys
+from collections.abc import Mapping
+from typing import TYPE_CHECKING, NoReturn
+
+import torch
+
+from ._dtypes import parse_dtype
+from ._errors import AttentionBackendError, PlatformError
+from ._platform import Platform, parse_platform
+
+if TYPE_CHECKING:
+    from _typeshed import SupportsWrite
+
+
+class CommandLineError(AttentionBackendError, ValueError):
+    """A command-line argument is wrong or does not apply; the message names the fix.
+
+    ``main`` prints it as one line on stderr and exits 2.
+    """
+
+
+class CommandParser(argparse.ArgumentParser):
+    """An `argparse.ArgumentParser` that raises `CommandLineError` instead of printing usage
+    text and exiting, so that every mistake ends in the same one line and ``main(argv)`` returns
+    its exit code in-process too."""
+
+    def error(self, message: str) -> NoReturn:
+        if "not allowed with argument" in message:  # argparse's mutually-exclusive message
+            message += ": give one of them, not both"
+        raise CommandLineError(message)
+
+    def _print_message(self, message: str, file: SupportsWrite[str] | None = None) -> None:
+        # argparse swallows OSError here, so `--help | head` would exit 0 or 141 depending on
+        # buffering; let a closed pipe reach `main`, which ends it the same way every time.
+        if message:
+            (file or sys.stderr).write(message)
+
+    def option_names(self) -> frozenset[str]:
+        """Every option string this parser accepts (``--heads``, ``-v`` ...)."""
+        # argparse keeps its actions in a private list; reading option_strings is stable API.
+        return frozenset(name for action in self._actions for name in action.option_strings)
+
+
+def _integer(text: str) -> int:
+    try:
+        return int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected an integer, got {text!r}") from None
+
+
+def positive_int(text: str) -> int:
+    value = _integer(text)
+    if value <= 0:
+        raise argparse.ArgumentTypeError(f"expected an integer > 0, got {value}")
+    return value
+
+
+def non_negative_int(text: str) -> int:
+    value = _integer(text)
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"expected an integer >= 0, got {value}")
+    return value
+
+
+def even_positive_int(text: str) -> int:
+    value = positive_int(text)
+    if value % 2:
+        raise argparse.ArgumentTypeError(
+            f"expected an even integer > 0 (dims rotate in pairs), got {value}"
+        )
+    return value
+
+
+def logn_base(text: str) -> int:
+    value = _integer(text)
+    if value < 2:
+        raise argparse.ArgumentTypeError(
+            f"expected the training context length, an integer >= 2 (e.g. 8192), got {value}"
+        )
+    return value
+
+
+def rope_theta(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a number such as 10000, got {text!r}") from None
+    if not (math.isfinite(value) and value > 1.0):
+        raise argparse.ArgumentTypeError(
+            f"expected a finite number > 1 (e.g. 10000 or 1e6), got {text!r}"
+        )
+    return value
+
+
+def dtype(text: str) -> torch.dtype:
+    try:
+        return parse_dtype(text)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+
+
+def platform(text: str) -> Platform:
+    try:
+        return parse_platform(text)
+    except PlatformError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+
+
+_DEVICE_TYPES = ("cpu", "cuda")
+_DRY_RUN_HINT = "or run `attn-backends explain --platform cuda:sm90` for a dry run"
+
+
+def device(text: str) -> torch.device:
+    """A device of this machine that torch can use: ``cpu``, ``cuda`` or ``cuda:<index>``.
+
+    ROCm GPUs are ``cuda`` devices in torch. Checked here, at parse time, so that a device that
+    does not exist is a usage error instead of a traceback from deep inside torch.
+    """
+    try:
+        dev = torch.device(text)
+    except RuntimeError:
+        raise argparse.ArgumentTypeError(
+            f"{text!r} is not a device; use cpu, cuda or cuda:<index>"
+        ) from None
+    if dev.type not in _DEVICE_TYPES:
+        raise argparse.ArgumentTypeError(
+            f"attn-backends runs on cpu or cuda devices (ROCm GPUs are cuda in torch), got "
+            f"{text!r}; use cpu, cuda or cuda:<index>"
+        )
+    if dev.type == "cpu":
+        return dev
+    if not torch.cuda.is_available():
+        raise argparse.ArgumentTypeError(
+            f"{text!r}: this torch sees no CUDA device (torch.cuda.is_available() is False); "
+            f"use --device cpu, {_DRY_RUN_HINT}"
+        )
+    count = torch.cuda.device_count()
+    if dev.index is not None and dev.index >= count:
+        raise argparse.ArgumentTypeError(
+            f"{text!r}: this machine has {count} CUDA device(s), cuda:0 to cuda:{count - 1}; "
+            "pick one of those"
+        )
+    return dev
+
+
+_NOT_HERE: Mapping[tuple[str, str], str] = {
+    ("check", "--platform"): "runs kernels on a device of this machine; use --device, "
+    "or `attn-backends explain --platform ...` for a dry run",
+}
+"""Why an option of another command is refused here, where a reason helps more than a list."""
+
+
+def unrecognized(
+    command: str,
+    extras: list[str],
+    top: CommandParser,
+    commands: Mapping[str, CommandParser],
+) -> CommandLineError:
+    """The error for arguments ``command`` does not take: where the option belongs instead."""
+    option = next((e.split("=", 1)[0] for e in extras if e.startswith("-")), None)
+    if option is None:
+        return CommandLineError(
+            f"unexpected argument {extras[0]!r}: {command} takes options only; "
+            f"see attn-backends {command} --help"
+        )
+    if option in top.option_names():
+        return CommandLineError(
+            f"{option} is an option of attn-backends itself: put it before the command "
+            f"(attn-backends {option} {command} ...)"
+        )
+    owners = sorted(name for name, parser in commands.items() if option in parser.option_names())
+    if not owners:
+        return CommandLineError(
+            f"{command} has no option {option}; see attn-backends {command} --help"
+        )
+    reason = _NOT_HERE.get((command, option))
+    where = f"it is an option of {' and '.join(owners)}"
+    return CommandLineError(
+        f"{option} does not apply to {command}, which {reason}"
+        if reason
+        else f"{option} does not apply to {command}; {where}"
+    )
