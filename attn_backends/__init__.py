@@ -19,6 +19,7 @@ from ._contract import (
     split_views,
 )
 from ._distributed import RankDecision, check_consistent_across_ranks, select_across_ranks
+from ._dtypes import dtype_name
 from ._errors import (
     AttentionBackendError,
     BackendFailure,
@@ -38,6 +39,7 @@ from ._graph import PAD_CHUNK, GraphBucket, GraphPlan
 from ._hooks import ENTRY_POINT_GROUP, PLUGIN_API_VERSION, PluginManifest, hookimpl, hookspec
 from ._params import FMHAParams
 from ._platform import Platform, detect_platform, parse_platform
+from ._preprocess import preprocess_mode
 from ._protocol import CudaGraphPrefill, NoCachePrefill
 from ._reasons import Reason, ReasonCode
 from ._reference import TOLERANCE, reference_attention, relative_error
@@ -98,10 +100,12 @@ __all__ = [
     "clear_selection_cache",
     "derive_need_rope_kv_cache",
     "detect_platform",
+    "dtype_name",
     "get_registry",
     "hookimpl",
     "hookspec",
     "parse_platform",
+    "preprocess_mode",
     "reference_attention",
     "relative_error",
     "reset_registry",

@@ -54,10 +54,10 @@ from attn_backends import (
     PrefillBackend,
     PriorityRule,
     QKVViews,
+    dtype_name,
     hookimpl,
+    preprocess_mode,
 )
-from attn_backends._contract import preprocess_mode
-from attn_backends._dtypes import dtype_name
 
 from ._flashinfer_common import (
     PREFILL_HEAD_DIMS,

@@ -38,9 +38,9 @@ from attn_backends import (
     PrefillBackend,
     PriorityRule,
     QKVViews,
+    dtype_name,
     hookimpl,
 )
-from attn_backends._dtypes import dtype_name
 
 from ._flashinfer_common import (
     SIXTEEN_BIT,
