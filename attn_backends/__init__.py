@@ -39,7 +39,7 @@ from ._graph import PAD_CHUNK, GraphBucket, GraphPlan
 from ._hooks import ENTRY_POINT_GROUP, PLUGIN_API_VERSION, PluginManifest, hookimpl, hookspec
 from ._params import FMHAParams
 from ._platform import Platform, detect_platform, parse_platform
-from ._preprocess import preprocess_mode
+from ._preprocess import RopePass, preprocess_mode, register_rope_pass, rope_passes
 from ._protocol import CudaGraphPrefill, NoCachePrefill
 from ._reasons import Reason, ReasonCode
 from ._reference import TOLERANCE, reference_attention, relative_error
@@ -90,6 +90,7 @@ __all__ = [
     "Reason",
     "ReasonCode",
     "Registry",
+    "RopePass",
     "RopeSpec",
     "Selection",
     "SpecError",
@@ -107,8 +108,10 @@ __all__ = [
     "parse_platform",
     "preprocess_mode",
     "reference_attention",
+    "register_rope_pass",
     "relative_error",
     "reset_registry",
+    "rope_passes",
     "run_canary",
     "select",
     "select_across_ranks",

@@ -40,7 +40,7 @@ from ._errors import (
 from ._graph import GraphBucket, GraphPlan, slot_lengths
 from ._params import FMHAParams
 from ._platform import Platform
-from ._preprocess import GRAPH_MODES, SEPARATE_MODES, platform_of, resolve_preprocess
+from ._preprocess import GRAPH_MODES, is_separate, platform_of, resolve_preprocess
 from ._reasons import Reason, ReasonCode
 from ._spec import AttentionSpec
 
@@ -99,7 +99,7 @@ class PrefillBackend(ABC):
         return self._spec
 
     def _refuse_fp8_rotation(self, spec: AttentionSpec, mode: str) -> None:
-        if spec.is_fp8 and mode in SEPARATE_MODES and not self.capabilities.fp8_preprocess:
+        if spec.is_fp8 and is_separate(mode) and not self.capabilities.fp8_preprocess:
             raise NoBackendError(
                 f"{self.name}: RoPE/logn on FP8 input would rotate stored FP8 values in place; "
                 "apply them before quantising, or use a backend that declares fp8_preprocess"

@@ -19,7 +19,7 @@ from ._contract import Fp8Scales, PrefillPlan
 from ._dtypes import dtype_name
 from ._errors import PlatformError
 from ._params import FMHAParams
-from ._preprocess import SEPARATE_MODES
+from ._preprocess import is_separate
 from ._protocol import NoCachePrefill
 from ._reference import TOLERANCE, reference_attention, relative_error
 from ._spec import AttentionSpec
@@ -103,7 +103,7 @@ def run_canary(
     try:
         plan = backend.prepare(params)
         out = backend.forward(qkv, plan, fp8_scales=scales)
-        rotates = isinstance(plan, PrefillPlan) and plan.preprocess in SEPARATE_MODES
+        rotates = isinstance(plan, PrefillPlan) and is_separate(plan.preprocess)
     except Exception as exc:
         return CanaryResult("failed", f"canary raised {where}: {_describe_error(exc)}")
     expected = (tokens, spec.q_width)

@@ -34,10 +34,10 @@ from ._errors import AttentionBackendError, BackendFailure, PackedQKVError, Para
 from ._graph import GraphPlan
 from ._params import FMHAParams
 from ._preprocess import (
-    SEPARATE_MODES,
     PreprocessMode,
     apply_graph_preprocess,
     apply_preprocess,
+    is_separate,
     platform_of,
     prepare_tables,
     resolve_preprocess,
@@ -455,7 +455,7 @@ def _execute(
     ``written_rows``: the rows the in-place pass rotates, for error messages."""
     if fp8_scales is not None or spec.is_fp8:
         check_fp8_scales(spec, fp8_scales, packed.device)
-    separate = plan.preprocess in SEPARATE_MODES
+    separate = is_separate(plan.preprocess)
     if separate:
         check_writable(packed)
         try:

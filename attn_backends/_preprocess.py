@@ -1,67 +1,65 @@
 """Which implementation runs the in-place RoPE/logn pass, chosen once per spec and platform.
 
 The pass is "none" (no RoPE, no logn), "fused" (the attention kernel applies RoPE itself), or a
-separate pass over the Q|K columns run by one of: the native kernel of ``csrc/`` ("native"),
-flashinfer's ``apply_rope_pos_ids_inplace`` ("flashinfer", RoPE only) or torch ops ("torch",
-runs everywhere). The order of preference per platform kind is data (`PREFERENCES`), each
-entry naming the measurement behind it; the first implementation that can serve the spec wins,
-and the decision record says which one and why the earlier ones could not.
+separate pass over the Q|K columns run by a `RopePass`. The core has two: the native kernel of
+``csrc/`` ("native", CUDA and ROCm) and torch ops ("torch", runs everywhere); a plugin may add
+its own with `register_rope_pass` (the flashinfer plugin adds flashinfer's in-place RoPE). Each
+pass ranks itself per platform kind, with the measurement behind the rank; the first pass, best
+rank first, that can serve the spec wins, and the decision record says which one and why the
+better-ranked ones could not.
 """
 
 from __future__ import annotations
 
 import threading
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Literal
 
 import torch
 
 from . import _native
 from ._dtypes import dtype_name
+from ._errors import SpecError
 from ._params import FMHAParams
 from ._platform import Platform, PlatformKind, detect_platform
 from ._rope import PositionTables, apply_rope_logn, build_position_tables
 from ._spec import AttentionSpec
 
-PreprocessMode = Literal["none", "torch", "native", "flashinfer", "fused"]
-"""How RoPE/logn run: not needed, a separate pass (torch / native / flashinfer), or in-kernel."""
-Implementation = Literal["native", "flashinfer", "torch"]
-SEPARATE_MODES: frozenset[str] = frozenset({"torch", "native", "flashinfer"})
+PreprocessMode = str
+"""How RoPE/logn run: "none", "fused", or the name of the `RopePass` that runs them."""
+IN_KERNEL: frozenset[str] = frozenset({"none", "fused"})
+"""Modes that write nothing to the caller's buffer; every other mode is a separate pass."""
 GRAPH_MODES: frozenset[str] = frozenset({"none", "fused", "native"})
 """Passes a CUDA graph can replay for any batch of a bucket: the native kernel bounds itself
-by the device-side offsets; the torch and flashinfer passes take the token count on the host
-(they would rotate the bucket's padding rows), so graph mode refuses them."""
+by the device-side offsets; a pass that takes the token count on the host (torch ops,
+flashinfer's) would rotate the bucket's padding rows, so graph mode refuses it."""
 
-FLASHINFER_HEAD_DIMS = frozenset({64, 128, 256, 512})
-"""Head dims flashinfer's RoPE kernels are compiled for (``DISPATCH_HEAD_DIM``)."""
+
+def is_separate(mode: PreprocessMode) -> bool:
+    """Whether ``mode`` rotates the caller's buffer in place (a separate pass)."""
+    return mode not in IN_KERNEL
 
 
 @dataclass(frozen=True)
-class Preference:
-    """Implementations to try, best first, on one platform kind, and the evidence for it."""
+class RopePass:
+    """One implementation of the separate in-place RoPE/logn pass, and where it ranks.
 
-    platform: PlatformKind
-    order: tuple[Implementation, ...]
+    ``apply`` rotates the Q|K columns of the valid rows of the packed buffer in place and
+    returns True, or returns False, having written nothing, for a buffer it cannot take (the
+    torch pass then serves that call).
+    """
+
+    name: str
+    ranks: tuple[tuple[PlatformKind, int], ...]
+    """Platform kinds served and the rank on each: higher is tried first."""
     note: str
+    """The evidence for the ranks (a measurement, a policy)."""
+    refusal: Callable[[AttentionSpec, Platform], str | None]
+    """Why the pass cannot serve a spec on a platform (None: it can)."""
+    apply: Callable[[torch.Tensor, AttentionSpec, FMHAParams], bool]
 
-
-PREFERENCES: tuple[Preference, ...] = (
-    Preference(
-        "cuda",
-        ("native", "flashinfer", "torch"),
-        "H200 2026-11-30, Qwen3-Embedding (32 seqs 64..2048, 16/8 x 128, bf16), in-place RoPE "
-        "as a share of copy bandwidth (scripts/gpu/rope_kernel.py): native 85.1% (0.119 ms), "
-        "flashinfer apply_rope_pos_ids_inplace 85.1% (0.119 ms, RoPE only, larger error at long "
-        "positions), torch 5.8% (1.74 ms); native first: it also does logn and keeps the error "
-        "within one rounding step",
-    ),
-    Preference(
-        "rocm",
-        ("native", "torch"),
-        "one fused pass against the several elementwise torch kernels; not yet measured on ROCm",
-    ),
-    Preference("cpu", ("torch",), "torch ops; no kernel is compiled on CPU"),
-)
+    def rank(self, kind: PlatformKind) -> int | None:
+        return next((r for k, r in self.ranks if k == kind), None)
 
 
 @dataclass(frozen=True)
@@ -71,7 +69,7 @@ class PreprocessChoice:
     mode: PreprocessMode
     reason: str
     fallback: str | None = None
-    """Why the preferred implementations before ``mode`` could not serve (None: none skipped);
+    """Why the better-ranked passes before ``mode`` could not serve (None: none skipped);
     shown in the decision record as ``preprocess_fallback``."""
 
     def details(self) -> dict[str, str]:
@@ -108,40 +106,79 @@ def native_refusal(spec: AttentionSpec, platform: Platform) -> str | None:
     return _native.unavailable_reason()
 
 
-def flashinfer_refusal(spec: AttentionSpec, platform: Platform) -> str | None:
-    """Why flashinfer's in-place RoPE cannot serve this spec here (None: it can)."""
-    if platform.kind != "cuda":
-        return f"runs on CUDA devices, not {platform.kind}"
-    if not platform.has_library("flashinfer"):
-        return "flashinfer is not installed"
-    if spec.rope is None:
-        return "applies RoPE only and the spec has none"
-    if spec.use_logn_attn:
-        return "has no logn scaling"
-    if spec.dtype not in (torch.float16, torch.bfloat16):
-        return f"serves float16/bfloat16, not {dtype_name(spec.dtype)}"
-    if spec.head_dim not in FLASHINFER_HEAD_DIMS:
-        return f"head_dim {spec.head_dim} is not one of 64, 128, 256, 512"
-    # One thread rotates a 16-byte vector (or head_dim / 32 elements, if more); a vector must
-    # not straddle the rotary boundary, nor the two halves in rotate-half style.
-    vec = max(8, spec.head_dim // 32)
-    span = spec.rotary_dim if spec.rope.interleaved else spec.rotary_dim // 2
-    if span % vec:
-        style = "rotary_dim" if spec.rope.interleaved else "rotary_dim / 2"
-        return f"{style} ({span}) is not a multiple of its vector width {vec}"
-    return None
+def _apply_native(packed: torch.Tensor, spec: AttentionSpec, params: FMHAParams) -> bool:
+    _native.rope_logn_(packed, params.cu_seqlens_q, params.token_q_num, spec)
+    return True
 
 
-def _refusal(impl: Implementation, spec: AttentionSpec, platform: Platform) -> str | None:
-    if impl == "native":
-        return native_refusal(spec, platform)
-    if impl == "flashinfer":
-        return flashinfer_refusal(spec, platform)
-    return None
+def apply_torch_pass(packed: torch.Tensor, spec: AttentionSpec, params: FMHAParams) -> bool:
+    """The torch pass with tables built on the spot (plans build them once, in prepare)."""
+    _apply_torch(packed, spec, params, build_position_tables(spec, params.positions))
+    return True
 
 
-def preference_for(kind: PlatformKind) -> Preference:
-    return next(p for p in PREFERENCES if p.platform == kind)
+def _apply_torch(
+    packed: torch.Tensor, spec: AttentionSpec, params: FMHAParams, tables: PositionTables
+) -> None:
+    tokens = params.token_q_num
+    heads = spec.num_heads + spec.num_kv_heads
+    qk = packed[:tokens, : spec.q_width + spec.kv_width].view(tokens, heads, spec.head_dim)
+    apply_rope_logn(qk, spec.num_heads, spec, tables)
+
+
+NATIVE = RopePass(
+    name="native",
+    ranks=(("cuda", 100), ("rocm", 100)),
+    note="H200 2026-11-30, Qwen3-Embedding (32 seqs 64..2048, 16/8 x 128, bf16), in-place RoPE "
+    "as a share of copy bandwidth (scripts/gpu/rope_kernel.py): native 85.1% (0.119 ms), torch "
+    "5.8% (1.74 ms); it also does logn and keeps the error within one rounding step. ROCm: one "
+    "fused pass against several elementwise torch kernels, not yet measured",
+    refusal=native_refusal,
+    apply=_apply_native,
+)
+TORCH = RopePass(
+    name="torch",
+    ranks=(("cpu", 0), ("cuda", 0), ("rocm", 0)),
+    note="torch ops: run everywhere, every spec; the last resort on GPUs",
+    refusal=lambda spec, platform: None,
+    apply=apply_torch_pass,
+)
+_passes: dict[str, RopePass] = {"native": NATIVE, "torch": TORCH}
+
+
+def register_rope_pass(rope_pass: RopePass) -> None:
+    """Add a separate RoPE/logn implementation (a plugin's extension point).
+
+    Its name becomes a preprocess mode shown in decision records. Registering the same object
+    again is a no-op; another pass under a taken name is a `SpecError`.
+    """
+    if not isinstance(rope_pass, RopePass):
+        raise SpecError(f"register_rope_pass() takes a RopePass, got {type(rope_pass).__name__}")
+    if rope_pass.name in IN_KERNEL or not rope_pass.name:
+        raise SpecError(f"a RoPE pass cannot be named {rope_pass.name!r}")
+    with _cache_lock:
+        known = _passes.get(rope_pass.name)
+        if known is rope_pass:
+            return
+        if known is not None:
+            raise SpecError(f"a RoPE pass named {rope_pass.name!r} is already registered")
+        _passes[rope_pass.name] = rope_pass
+        _choices.clear()
+
+
+def rope_passes() -> tuple[RopePass, ...]:
+    with _cache_lock:
+        return tuple(_passes.values())
+
+
+def passes_for(kind: PlatformKind) -> tuple[RopePass, ...]:
+    """The passes serving ``kind``, best rank first (ties by name, for a stable order)."""
+    ranked: list[tuple[int, str, RopePass]] = []
+    for candidate in rope_passes():
+        rank = candidate.rank(kind)
+        if rank is not None:
+            ranked.append((-rank, candidate.name, candidate))
+    return tuple(candidate for _, _, candidate in sorted(ranked, key=lambda x: x[:2]))
 
 
 def choose_preprocess(
@@ -153,18 +190,19 @@ def choose_preprocess(
         return PreprocessChoice("none", "the spec has no RoPE and no logn")
     if kind == "fused":
         return PreprocessChoice("fused", "the attention kernel applies RoPE itself")
-    pref = preference_for(platform.kind)
+    order = passes_for(platform.kind)
+    names = " > ".join(p.name for p in order)
     skipped: list[str] = []
-    for impl in pref.order:
-        problem = _refusal(impl, spec, platform)
+    for candidate in order:
+        problem = candidate.refusal(spec, platform)
         if problem is None:
-            why = f"first that fits of {' > '.join(pref.order)} on {platform.kind}"
-            if platform.assumed and impl == "native":
+            why = f"first that fits of {names} on {platform.kind}"
+            if platform.assumed and candidate is NATIVE:
                 why += " (dry run: built on first use)"
             fallback = "; ".join(skipped) if skipped else None
-            return PreprocessChoice(impl, why, fallback)
-        skipped.append(f"{impl}: {problem}")
-    raise AssertionError(f"no RoPE/logn implementation in {pref.order}")  # torch always fits
+            return PreprocessChoice(candidate.name, why, fallback)
+        skipped.append(f"{candidate.name}: {problem}")
+    raise AssertionError(f"no RoPE/logn pass in {names}")  # torch always fits
 
 
 _CPU = Platform(kind="cpu")
@@ -221,32 +259,6 @@ def prepare_tables(
     return build_position_tables(spec, params.positions) if mode == "torch" else None
 
 
-def _flashinfer_aligned(packed: torch.Tensor) -> bool:
-    """flashinfer moves 16-byte vectors: the buffer and its row stride must be aligned to it."""
-    size = packed.element_size()
-    return packed.data_ptr() % 16 == 0 and (packed.stride(0) * size) % 16 == 0
-
-
-def _apply_flashinfer(packed: torch.Tensor, spec: AttentionSpec, params: FMHAParams) -> None:
-    import flashinfer  # lazily: a GPU library, present when this mode was chosen
-
-    assert spec.rope is not None  # flashinfer is chosen only with RoPE
-    tokens = params.token_q_num
-    rows = packed[:tokens]
-    q = rows[:, : spec.q_width].view(tokens, spec.num_heads, spec.head_dim)
-    k = rows[:, spec.q_width : spec.q_width + spec.kv_width].view(
-        tokens, spec.num_kv_heads, spec.head_dim
-    )
-    flashinfer.apply_rope_pos_ids_inplace(
-        q,
-        k,
-        params.positions,
-        rotary_dim=spec.rotary_dim,
-        interleave=spec.rope.interleaved,
-        rope_theta=float(spec.rope.theta),
-    )
-
-
 def apply_preprocess(
     mode: PreprocessMode,
     packed: torch.Tensor,
@@ -256,21 +268,18 @@ def apply_preprocess(
 ) -> None:
     """Run the separate pass ``mode`` on the Q|K columns of the valid rows of ``packed``.
 
-    A buffer that flashinfer cannot take (rows not 16-byte aligned) goes through torch, with
+    A buffer the chosen pass cannot take (a plugin's alignment rule) goes through torch, with
     tables built on the spot: correct, slower, and only for such unusual buffers.
     """
-    tokens = params.token_q_num
-    if mode == "native":
-        _native.rope_logn_(packed, params.cu_seqlens_q, tokens, spec)
+    if mode == "torch" and tables is not None:
+        _apply_torch(packed, spec, params, tables)
         return
-    if mode == "flashinfer" and _flashinfer_aligned(packed):
-        _apply_flashinfer(packed, spec, params)
-        return
-    if tables is None:
-        tables = build_position_tables(spec, params.positions)
-    heads = spec.num_heads + spec.num_kv_heads
-    qk = packed[:tokens, : spec.q_width + spec.kv_width].view(tokens, heads, spec.head_dim)
-    apply_rope_logn(qk, spec.num_heads, spec, tables)
+    with _cache_lock:
+        chosen = _passes.get(mode)
+    if chosen is None:
+        raise SpecError(f"no RoPE pass named {mode!r} is registered")
+    if not chosen.apply(packed, spec, params):
+        apply_torch_pass(packed, spec, params)
 
 
 def apply_graph_preprocess(

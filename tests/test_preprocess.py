@@ -12,15 +12,19 @@ from dataclasses import replace
 
 import pytest
 import torch
+from attn_backends_builtin._flashinfer_rope import FLASHINFER_ROPE, flashinfer_rope_refusal
 
 import attn_backends as ab
 from attn_backends import _native, _preprocess
 from attn_backends._errors import NativeBuildError
+from attn_backends._platform import PlatformKind
 from attn_backends._preprocess import (
-    PREFERENCES,
+    NATIVE,
+    TORCH,
     apply_preprocess,
     choose_preprocess,
-    flashinfer_refusal,
+    passes_for,
+    register_rope_pass,
     resolve_preprocess,
 )
 from attn_backends._reference import _rotate
@@ -35,6 +39,7 @@ MI300 = ab.Platform(kind="rocm", arch="gfx942", device_name="MI300X", libraries=
 
 @pytest.fixture(autouse=True)
 def _fresh_caches():
+    register_rope_pass(FLASHINFER_ROPE)  # as the flashinfer plugin does when it loads
     _preprocess.clear_preprocess_cache()
     _native.clear_cache()
     yield
@@ -57,12 +62,29 @@ def no_compiler(monkeypatch):
 
 
 def test_preferences_are_data_with_evidence():
-    kinds = {p.platform for p in PREFERENCES}
-    assert kinds == {"cpu", "cuda", "rocm"}
-    for pref in PREFERENCES:
-        assert pref.order[-1] == "torch", "torch runs everywhere: it must close every list"
-        assert pref.note
-    assert next(p for p in PREFERENCES if p.platform == "cpu").order == ("torch",)
+    kinds: tuple[PlatformKind, ...] = ("cpu", "cuda", "rocm")
+    order = {kind: tuple(p.name for p in passes_for(kind)) for kind in kinds}
+    assert order == {
+        "cpu": ("torch",),
+        "cuda": ("native", "flashinfer", "torch"),
+        "rocm": ("native", "torch"),
+    }
+    for kind in order:
+        assert passes_for(kind)[-1] is TORCH, "torch runs everywhere: it must close every list"
+    assert all(p.note for p in (NATIVE, TORCH, FLASHINFER_ROPE))
+
+
+def test_a_plugin_pass_is_one_registration_and_names_cannot_be_taken():
+    register_rope_pass(FLASHINFER_ROPE)  # the same object again: nothing changes
+    impostor = replace(FLASHINFER_ROPE, note="another")
+    for bad, match in ((impostor, "already registered"), (replace(TORCH), "already registered")):
+        with pytest.raises(ab.SpecError, match=match):
+            register_rope_pass(bad)
+    for name in ("none", "fused", ""):
+        with pytest.raises(ab.SpecError, match="cannot be named"):
+            register_rope_pass(replace(FLASHINFER_ROPE, name=name))
+    with pytest.raises(ab.SpecError, match="takes a RopePass"):
+        register_rope_pass("flashinfer")  # type: ignore[arg-type]
 
 
 def test_cpu_uses_torch_and_never_asks_for_the_native_kernel(monkeypatch):
@@ -157,13 +179,15 @@ def test_native_refuses_rotary_dims_past_its_table(native_builds):
 )
 def test_flashinfer_limits(dim, rope, refusal):
     spec = ab.AttentionSpec(4, 2, dim, torch.bfloat16, causal=True, rope=rope)
-    got = flashinfer_refusal(spec, H200)
+    got = flashinfer_rope_refusal(spec, H200)
     assert got == refusal if refusal is None else refusal in str(got)
 
 
 def test_flashinfer_refuses_float32_and_other_platforms():
-    assert "float16/bfloat16" in str(flashinfer_refusal(replace(QWEN3, dtype=torch.float32), H200))
-    assert "not rocm" in str(flashinfer_refusal(QWEN3, MI300))
+    assert "float16/bfloat16" in str(
+        flashinfer_rope_refusal(replace(QWEN3, dtype=torch.float32), H200)
+    )
+    assert "not rocm" in str(flashinfer_rope_refusal(QWEN3, MI300))
 
 
 def test_none_and_fused_keep_their_meaning():

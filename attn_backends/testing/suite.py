@@ -19,7 +19,7 @@ from .._errors import NoBackendError
 from .._graph import GraphBucket
 from .._params import FMHAParams
 from .._platform import Platform, detect_platform, parse_platform
-from .._preprocess import SEPARATE_MODES
+from .._preprocess import is_separate
 from .._protocol import CudaGraphPrefill
 from .._reasons import ReasonCode
 from .._reference import TOLERANCE, reference_attention, relative_error
@@ -117,7 +117,7 @@ def run_case(
     ref = reference_attention(data.pristine, spec, params)
     err = relative_error(out, ref)
     assert err < TOLERANCE[spec.dtype], f"relative error {err:.3g} >= {TOLERANCE[spec.dtype]}"
-    _check_untouched(spec, data, tokens, plan.preprocess in SEPARATE_MODES)
+    _check_untouched(spec, data, tokens, is_separate(plan.preprocess))
     return err
 
 
@@ -234,7 +234,7 @@ def run_graph_mode(
         err = relative_error(eager[:tokens], reference_attention(data.pristine, spec, params))
         assert err < TOLERANCE[spec.dtype], f"graph plan, batch {lengths}: relative error {err:.3g}"
         written = unexpected_writes(
-            data.pristine, static, spec, tokens, plan.preprocess in SEPARATE_MODES
+            data.pristine, static, spec, tokens, is_separate(plan.preprocess)
         )
         assert written is None, written
         if dev.type != "cuda":

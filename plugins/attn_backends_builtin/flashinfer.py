@@ -57,6 +57,7 @@ from attn_backends import (
     dtype_name,
     hookimpl,
     preprocess_mode,
+    register_rope_pass,
 )
 
 from ._flashinfer_common import (
@@ -74,8 +75,10 @@ from ._flashinfer_common import (
     nonempty_lengths,
     stream_key,
 )
+from ._flashinfer_rope import FLASHINFER_ROPE
 
 API_VERSION = "1.0"
+register_rope_pass(FLASHINFER_ROPE)  # flashinfer's in-place RoPE joins the separate passes
 WORKSPACE_BYTES = 128 << 20
 KERNEL = "flashinfer.BatchPrefillWithRaggedKVCacheWrapper"
 FUSED_ROPE_MAX_SEQLEN = 256

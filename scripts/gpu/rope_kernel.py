@@ -33,17 +33,14 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from attn_backends_builtin._flashinfer_common import is_aligned
+from attn_backends_builtin._flashinfer_rope import apply_flashinfer_rope, flashinfer_rope_refusal
 
 from attn_backends import AttentionSpec, FMHAParams, RopeSpec, reference_attention, select
 from attn_backends import _native as native
 from attn_backends._dtypes import dtype_name
 from attn_backends._errors import NativeBuildError
-from attn_backends._preprocess import (
-    _apply_flashinfer,
-    _flashinfer_aligned,
-    apply_preprocess,
-    flashinfer_refusal,
-)
+from attn_backends._preprocess import apply_preprocess
 from attn_backends._reference import TOLERANCE, _rotate, relative_error
 from attn_backends._rope import PositionTables, build_position_tables
 
@@ -55,7 +52,7 @@ HALF_ULP = {torch.float32: 2.0**-24, torch.float16: 2.0**-11, torch.bfloat16: 2.
 ATOL = 1.0e-5
 """Absolute slack for float32 math (sincos, products) on values of order 1."""
 
-Apply = Callable[[torch.Tensor, AttentionSpec, FMHAParams], None]
+Apply = Callable[[torch.Tensor, AttentionSpec, FMHAParams], object]
 Json = dict[str, Any]
 """A JSON object of the report: values of mixed types, written out as they are."""
 
@@ -266,11 +263,11 @@ def run_numerics(
         if (
             flashinfer_ready
             and platform is not None
-            and flashinfer_refusal(case.spec, platform) is None
+            and flashinfer_rope_refusal(case.spec, platform) is None
             and case.lead == 0
             and case.trail == 0
         ):
-            row["flashinfer"] = check(case, _apply_flashinfer, device, seed)
+            row["flashinfer"] = check(case, apply_flashinfer_rope, device, seed)
         results.append(row)
     return results, failures
 
@@ -307,7 +304,7 @@ def qwen3_workload(device: str) -> tuple[AttentionSpec, FMHAParams]:
 
 
 def time_paths(
-    paths: dict[str, Callable[[], None]], refill: Callable[[], None], flush: torch.Tensor
+    paths: dict[str, Callable[[], object]], refill: Callable[[], None], flush: torch.Tensor
 ) -> dict[str, list[float]]:
     """Milliseconds per path; paths alternate within each round, so drift hits them alike."""
     times: dict[str, list[float]] = {name: [] for name in paths}
@@ -346,13 +343,13 @@ def bandwidth(device: str, flashinfer_ready: bool) -> Json:
     def copy() -> None:
         dst.copy_(src)
 
-    paths: dict[str, Callable[[], None]] = {"copy": copy}
+    paths: dict[str, Callable[[], object]] = {"copy": copy}
     for vname, (unroll, target) in NATIVE_VARIANTS.items():
         paths[f"native-{vname}"] = _bind_native(packed, spec, params, unroll, target)
     paths["native-logn"] = _bind_native(packed, logn_spec, params, 0, 0)
     paths["native-interleaved"] = _bind_native(packed, il_spec, params, 0, 0)
-    if flashinfer_ready and _flashinfer_aligned(packed):
-        paths["flashinfer"] = lambda: _apply_flashinfer(packed, spec, params)
+    if flashinfer_ready and is_aligned(packed):
+        paths["flashinfer"] = lambda: apply_flashinfer_rope(packed, spec, params)
     paths["torch"] = lambda: apply_preprocess("torch", packed, spec, params, tables)
 
     # Correct before timed: every RoPE path on the workload against float64.
@@ -416,7 +413,7 @@ def apply_tables(spec: AttentionSpec, params: FMHAParams) -> PositionTables:
 
 def _bind_native(
     packed: torch.Tensor, spec: AttentionSpec, params: FMHAParams, unroll: int, target: int
-) -> Callable[[], None]:
+) -> Callable[[], object]:
     apply = native_apply(unroll, target)
     return lambda: apply(packed, spec, params)
 
@@ -467,7 +464,7 @@ def main(argv: list[str]) -> int:
         try:
             spec, params = qwen3_workload(device)
             warm = torch.zeros(params.token_q_num, spec.qkv_width, device=device, dtype=spec.dtype)
-            _apply_flashinfer(warm, spec, params)
+            apply_flashinfer_rope(warm, spec, params)
             torch.cuda.synchronize()
         except Exception as exc:  # a broken flashinfer install is reported, not fatal
             report["flashinfer_error"] = f"{type(exc).__name__}: {exc}"

@@ -9,10 +9,11 @@ import math
 
 import pytest
 import torch
+from attn_backends_builtin._flashinfer_rope import flashinfer_rope_refusal
 
 import attn_backends as ab
 from attn_backends import _native
-from attn_backends._preprocess import apply_preprocess, flashinfer_refusal
+from attn_backends._preprocess import apply_preprocess
 from attn_backends._reference import _rotate
 
 pytestmark = pytest.mark.gpu
@@ -133,7 +134,7 @@ def test_contract_picks_the_native_pass_and_attention_matches():
 def test_flashinfer_pass_matches_when_installed():
     platform = ab.detect_platform("cuda")
     spec = _spec(torch.bfloat16, ab.RopeSpec(1e6), None)
-    refusal = flashinfer_refusal(spec, platform)
+    refusal = flashinfer_rope_refusal(spec, platform)
     if refusal is not None:
         pytest.skip(f"flashinfer: {refusal}")
 
