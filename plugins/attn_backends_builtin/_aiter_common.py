@@ -2,22 +2,24 @@
 
 Both backends hand aiter Q, K and V as views of the packed rows, trimmed to ``token_q_num`` and
 ``token_kv_num``: aiter reads each tensor's token and head strides and only needs a unit stride
-on the last dim (``maybe_contiguous``, aiter/ops/mha.py:1164; ``TORCH_CHECK(q.stride(-1) == 1)``
+on the last dim (``maybe_contiguous`` in aiter/ops/mha.py; ``TORCH_CHECK(q.stride(-1) == 1)``
 in both C++ entry points). They pass the batch's int32 ``cu_seqlens`` (already on Q's device in
 `FMHAParams`), the spec's causal flag and softmax scale, and get ``[token_q_num, Hq, D]`` back.
-They differ only in the aiter function they call (`EntryPoint`) and in what they declare.
+Every argument goes by keyword, as the installed aiter's parameter lists say (`_aiter_binding`).
 
-Checked against the source of amd-aiter 0.1.7.post2.dev18; not run on ROCm hardware here.
+Checked against the source of every amd-aiter tag from 0.1.7 to 0.1.20.post1 and main of
+2026-08-22; not run on ROCm hardware.
 """
 
 from __future__ import annotations
 
+import functools
 import importlib
 import types
 from abc import abstractmethod
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, Literal, cast
+from typing import Any, cast
 
 import torch
 
@@ -32,38 +34,33 @@ from attn_backends import (
     QKVViews,
 )
 
-AITER_VERSION_CHECKED = "0.1.7.post2.dev18"
-"""The amd-aiter release whose Python and C++ source these backends were written against."""
-
-EntryPoint = Literal["fmha_v3_varlen_fwd", "mha_varlen_fwd", "flash_attn_varlen_fp8_pertensor_func"]
-"""aiter functions the backends call.
-
-* ``fmha_v3_varlen_fwd``: the hand-written ASM kernels (aiter/ops/mha.py:546), the function
-  ``flash_attn_varlen_func`` itself calls when its ASM test passes (mha.py:1903-1943).
-* ``mha_varlen_fwd``: the CK kernels (mha.py:455), what ``flash_attn_varlen_func`` calls
-  otherwise (mha.py:1945-1990). ``flash_attn_varlen_func`` has no switch to skip ASM for bf16
-  d128, so the non-ASM backend calls this op directly.
-* ``flash_attn_varlen_fp8_pertensor_func``: the FP8 varlen entry point (mha.py:2730); it has no
-  descale arguments, see `AiterVarlenBackend.attend`.
-"""
+from ._aiter_binding import (
+    AITER_RELEASES_CHECKED,
+    BATCH_PARAMETERS,
+    BF16_ROUNDING_RTNA,
+    DESCALES,
+    FP8_ENTRY,
+    SETTINGS,
+    EntryBinding,
+    EntryPoint,
+    binding_for,
+    last_binding,
+)
+from ._aiter_signature import installed_version
 
 NATIVE_FP8: dict[str, torch.dtype] = {
     "gfx942": torch.float8_e4m3fnuz,
     "gfx950": torch.float8_e4m3fn,
 }
 """The FP8 dtype aiter builds its FP8 kernels for, per arch (``aiter.dtypes.fp8``,
-aiter/utility/dtypes.py:7-21); other archs have none (``torch.uint8``)."""
-
-BF16_ROUNDING_RTNA = 1
-"""``how_v3_bf16_cvt``: bf16 output rounding of the gfx942 ASM kernels (0 RTNE, 1 RTNA, 2 RTZ);
-1 is what ``flash_attn_varlen_func`` passes by default. gfx950 ignores it."""
+aiter/utility/dtypes.py); other archs have none (``torch.uint8``)."""
 
 
 def import_aiter() -> types.ModuleType:
     """Import aiter on first use; any failure becomes a `BackendFailure` that says why.
 
     ``import aiter`` raises ``RuntimeError`` (not ImportError) on a machine without ROCm, from
-    its JIT setup (aiter/jit/utils/cpp_extension.py:89-94), so every exception is caught.
+    its JIT setup (aiter/jit/utils/cpp_extension.py), so every exception is caught.
     """
     try:
         return importlib.import_module("aiter")
@@ -91,12 +88,13 @@ def local_cu_count(platform: Platform) -> int | None:
 class AiterPlan:
     """Everything one batch needs, resolved in ``prepare`` so ``forward`` only launches."""
 
-    entry: EntryPoint
+    binding: EntryBinding
     kernel: Callable[..., Any]
     """The aiter function; ``Any`` because aiter ships no type information."""
     softmax_scale: float
-    options: dict[str, object]
-    """Keyword arguments after the first seven, fixed for the batch (see `kernel_options`)."""
+    settings: dict[str, object]
+    """Keyword arguments fixed for the spec: the scale (unless folded), the causal flag and
+    the `SETTINGS` this entry point has. Q/K/V and the batch offsets are added per forward."""
 
 
 def _check_cu_seqlens(params: FMHAParams) -> None:
@@ -109,45 +107,52 @@ def _check_cu_seqlens(params: FMHAParams) -> None:
             )
 
 
-def kernel_options(entry: EntryPoint, softmax_scale: float, causal: bool) -> dict[str, object]:
-    """Everything after ``max_seqlen_k``, by keyword: aiter's eighth positional parameter is
-    ``min_seqlen_q``, not ``dropout_p`` as in upstream flash-attn.
-
-    aiter type-checks op arguments with isinstance (aiter/jit/core.py:813-890), so the scale
-    is a Python float and the flag a bool. The FP8 entry point gets its scale per forward.
-    """
-    if entry == "flash_attn_varlen_fp8_pertensor_func":
-        return {"causal": causal}
-    options: dict[str, object] = {
-        "min_seqlen_q": 0,
-        "dropout_p": 0.0,
+def spec_settings(binding: EntryBinding, softmax_scale: float, causal: bool) -> dict[str, object]:
+    """The keywords fixed for a spec: the folding FP8 call gets its scale per forward."""
+    folds = binding.entry == FP8_ENTRY and not binding.descales
+    values: dict[str, object] = {
+        **SETTINGS,
         "softmax_scale": softmax_scale,
-        "logits_soft_cap": 0.0,
-        "zero_tensors": False,
         "is_causal": causal,
-        "window_size_left": -1,
-        "window_size_right": -1,
-        "return_softmax_lse": False,
-        "return_dropout_randval": False,
+        "causal": causal,
     }
-    if entry == "fmha_v3_varlen_fwd":
-        options["how_v3_bf16_cvt"] = BF16_ROUNDING_RTNA
-    return options
+    per_forward = {*BATCH_PARAMETERS, *DESCALES, *(("softmax_scale",) if folds else ())}
+    return {name: values[name] for name in binding.keywords if name not in per_forward}
 
 
 def make_plan(entry: EntryPoint, spec: AttentionSpec, params: FMHAParams) -> AiterPlan:
-    """Import aiter, look up ``entry``, check the offsets and fix the per-batch arguments."""
+    """Import aiter, bind ``entry`` (once per function), check the offsets, fix the keywords."""
     aiter = import_aiter()
     try:
         kernel = cast(Callable[..., Any], getattr(aiter, entry))
     except AttributeError as exc:
         raise BackendFailure(
-            f"this aiter has no {entry}; the backends were written against amd-aiter "
-            f"{AITER_VERSION_CHECKED}"
+            f"aiter {installed_version()} has no {entry}; the aiter backends know amd-aiter "
+            f"{AITER_RELEASES_CHECKED}"
         ) from exc
+    binding = binding_for(entry, kernel)
     _check_cu_seqlens(params)
-    scale, causal = float(spec.scale), bool(spec.causal)
-    return AiterPlan(entry, kernel, scale, kernel_options(entry, scale, causal))
+    scale = float(spec.scale)
+    return AiterPlan(binding, kernel, scale, spec_settings(binding, scale, bool(spec.causal)))
+
+
+def descale_tensor(scale: torch.Tensor | float, device: torch.device) -> torch.Tensor:
+    """A per-tensor scale as aiter reads it: through a float pointer, so a float32 ``[1]``
+    tensor on Q's device (``per_tensor_quant``'s scale, aiter/ops/quant.py).
+
+    A float32 tensor goes as a view; another dtype is cast on the device. A Python float
+    becomes a device constant made once per value and device, so no forward syncs.
+    """
+    if isinstance(scale, torch.Tensor):
+        flat = scale.reshape(1)
+        return flat if flat.dtype == torch.float32 else flat.to(torch.float32)
+    return _device_constant(float(scale), device)
+
+
+@functools.lru_cache(maxsize=1024)
+def _device_constant(value: float, device: torch.device) -> torch.Tensor:
+    """Read-only once made: aiter only reads a descale, and nothing else sees it."""
+    return torch.full((1,), value, dtype=torch.float32, device=device)
 
 
 class AiterVarlenBackend(PrefillBackend):
@@ -165,37 +170,81 @@ class AiterVarlenBackend(PrefillBackend):
     def describe(self, platform: Platform) -> dict[str, str]:
         details = super().describe(platform)
         entry = self.entry_point(self.bound_spec())
+        binding = last_binding(entry)
         details["aiter_entry"] = entry
+        details["aiter_signature"] = (
+            binding.describe()
+            if binding is not None
+            else "read from the installed aiter at the first prepare"
+        )
         if entry == "fmha_v3_varlen_fwd" and platform.arch == "gfx942":
             details["bf16_rounding"] = (
                 f"how_v3_bf16_cvt={BF16_ROUNDING_RTNA} (round to nearest, ties away)"
             )
-        if entry == "flash_attn_varlen_fp8_pertensor_func":
-            details["fp8_descale"] = (
-                "q and k scales folded into softmax_scale (Python-float scales cost nothing, "
-                "device-tensor scales are read to the host each forward); v scale applied to "
-                "the output"
-            )
+        if entry == FP8_ENTRY:
+            details["fp8_descale"] = _fp8_record(binding)
         return details
 
-    def attend(self, views: QKVViews, plan: PrefillPlan) -> torch.Tensor:
-        """One aiter launch on the views (the contract trims them to the valid tokens)."""
-        p = cast(AiterPlan, plan.kernel)
+    def attend(self, views: QKVViews, plan: object) -> torch.Tensor:
+        """One aiter launch on the views (the contract trims them to the valid tokens).
+
+        ``plan`` is typed wide on purpose: the aiter backends have no graph mode, so anything
+        but a `PrefillPlan` from their own ``prepare`` is refused here.
+        """
+        if not isinstance(plan, PrefillPlan) or not isinstance(plan.kernel, AiterPlan):
+            raise BackendFailure(
+                f"aiter backends run only plans made by their prepare(), got {type(plan).__name__}"
+            )
+        p = plan.kernel
         b = plan.params
-        # aiter type-checks with isinstance: the lengths go over as Python ints.
-        lengths = (int(b.max_seqlen_q), int(b.max_seqlen_k))
-        head = (views.q, views.k, views.v, b.cu_seqlens_q, b.cu_seqlens_k, *lengths)
-        if p.entry == "flash_attn_varlen_fp8_pertensor_func":
-            scales = views.fp8_scales
-            if scales is None:
-                raise BackendFailure("FP8 input reached aiter without fp8_scales")
-            # The FP8 kernel runs with scale_p = scale_o = 1 and takes no descales (aiter
-            # py_itfs_ck/mha_varlen_fwd_kernels.cu:140-142, "TODO - support descale" :366):
-            # dequantising Q and K is the same as scaling the logits, and V a scale of the output.
-            # The scale is a host float: scales given as Python floats cost nothing here,
-            # scales given as device tensors are read back (a sync) on every call.
-            scale = p.softmax_scale * float(scales.q) * float(scales.k)
-            out = p.kernel(*head, **p.options, softmax_scale=scale)
-            return cast(torch.Tensor, out).mul_(scales.v)
-        # Both ops return (out, softmax_lse, dropout_randval, rng_state).
-        return cast(torch.Tensor, p.kernel(*head, **p.options)[0])
+        # All by keyword; aiter type-checks with isinstance: the lengths go as Python ints.
+        batch = {
+            "q": views.q,
+            "k": views.k,
+            "v": views.v,
+            "cu_seqlens_q": b.cu_seqlens_q,
+            "cu_seqlens_k": b.cu_seqlens_k,
+            "max_seqlen_q": int(b.max_seqlen_q),
+            "max_seqlen_k": int(b.max_seqlen_k),
+        }
+        if p.binding.entry != FP8_ENTRY:
+            # Both ops return (out, softmax_lse, dropout_randval, rng_state).
+            return cast(torch.Tensor, p.kernel(**batch, **p.settings)[0])
+        scales = views.fp8_scales
+        if scales is None:
+            raise BackendFailure("FP8 input reached aiter without fp8_scales")
+        if p.binding.descales:
+            device = views.q.device
+            out = p.kernel(
+                **batch,
+                q_descale=descale_tensor(scales.q, device),
+                k_descale=descale_tensor(scales.k, device),
+                v_descale=descale_tensor(scales.v, device),
+                **p.settings,
+            )
+            return cast(torch.Tensor, out)
+        # 0.1.7 to 0.1.7.post2: the FP8 kernel runs with scale_p = scale_o = 1 and takes no
+        # descales (py_itfs_ck/mha_varlen_fwd_kernels.cu, "TODO - support descale"):
+        # dequantising Q and K is the same as scaling the logits, and V a scale of the output.
+        # Scales given as device tensors are read back (a sync) on every call.
+        scale = p.softmax_scale * float(scales.q) * float(scales.k)
+        out = p.kernel(**batch, softmax_scale=scale, **p.settings)
+        return cast(torch.Tensor, out).mul_(scales.v)
+
+
+def _fp8_record(binding: EntryBinding | None) -> str:
+    if binding is None:
+        return (
+            "decided at the first prepare: aiter 0.1.7.post3 and later take q/k/v descale "
+            "tensors; older releases get the q and k scales folded into softmax_scale and the "
+            "v scale applied to the output"
+        )
+    if binding.descales:
+        return (
+            "q/k/v_descale: float32 [1] tensors on Q's device (float32 scale tensors go as "
+            "views; Python floats become device constants made once per value)"
+        )
+    return (
+        "q and k scales folded into softmax_scale (Python-float scales cost nothing, "
+        "device-tensor scales are read to the host each forward); v scale applied to the output"
+    )

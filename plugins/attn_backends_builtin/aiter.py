@@ -1,16 +1,21 @@
 """``aiter-asm`` and ``aiter-nonasm``: AMD's aiter varlen flash attention, registered together.
 
-Both share `AiterVarlenBackend` (views, cu_seqlens, flags, output); they differ only in the aiter
-function they call and in the limits they declare, read from amd-aiter 0.1.7.post2.dev18:
+Both share `AiterVarlenBackend` (views, cu_seqlens, flags, output, and the call built from the
+installed aiter's own parameter lists); they differ only in the aiter function they call and in
+the limits they declare, read from the amd-aiter source (0.1.7 to 0.1.20.post1):
 
 * ``aiter-asm`` calls the ASM fmha v3 kernels (``fmha_v3_varlen_fwd``). aiter sends a varlen
   call there only for bf16, head dim 128, no bias/alibi/dropout/sliding window
-  (``can_impl_fmha_v3_fwd``, aiter/ops/mha.py:1903-1914), and ships the kernels for gfx942 and
-  gfx950 only (aiter_meta/hsa/gfx9*/fmha_v3_fwd); the group-mode kernels serve no mask and
+  (``can_impl_fmha_v3_fwd`` in aiter/ops/mha.py), and ships the kernels for gfx942 and gfx950
+  only (aiter_meta/hsa/gfx9*/fmha_v3_fwd); the group-mode kernels serve no mask and
   bottom-right causal. Anything else would fail inside aiter, so it is refused up front.
 * ``aiter-nonasm`` calls the CK kernels (``mha_varlen_fwd``) for fp16 and bf16, any head dim
   that is a multiple of 8 up to 256 (the op does not pad; C++ checks, CK d-padding tiles), and
   the FP8 varlen entry point for per-tensor FP8 at head dim 128 in the arch's FP8 format.
+
+Neither declares ``fp8_preprocess``: aiter applies no RoPE and these backends rotate nothing
+before quantising, so an FP8 spec with RoPE or logn is refused, never rotated in its stored
+FP8 form.
 """
 
 from __future__ import annotations
@@ -29,7 +34,8 @@ from attn_backends import (
 )
 from attn_backends._dtypes import dtype_name
 
-from ._aiter_common import NATIVE_FP8, AiterVarlenBackend, EntryPoint, local_cu_count
+from ._aiter_binding import EntryPoint
+from ._aiter_common import NATIVE_FP8, AiterVarlenBackend, local_cu_count
 
 API_VERSION = "1.0"
 

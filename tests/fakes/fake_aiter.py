@@ -1,21 +1,31 @@
-"""A fake ``aiter`` module for CPU tests: real signatures, real argument checks, torch math.
+"""A fake ``aiter`` module for CPU tests: one release's signatures, aiter's checks, torch math.
 
-It stands in for amd-aiter 0.1.7.post2.dev18, whose ``import aiter`` fails without ROCm. Four
-varlen entry points are offered with the exact parameter lists of aiter/ops/mha.py (see the
-``_sig_*`` stubs; ``test_fake_signatures_match_aiter_source`` compares them with the real source
-when it is available). Every call is bound to its stub, so a wrong keyword raises ``TypeError``
-as it would on the real module, then checked the way aiter checks it:
+It stands in for one generation of amd-aiter (`tests.aiter_signatures.Release`), whose
+``import aiter`` fails without ROCm. It offers the three varlen entry points the backends call
+with that release's parameter lists, exposed the way the real package exposes them:
+
+* the compiled ops ``mha_varlen_fwd`` and ``fmha_v3_varlen_fwd`` take ``(*args, **kwargs)`` in
+  Python (aiter wraps them in ``torch_compile_guard``) and bind each call to the declared
+  schema, so a missing or unknown argument raises ``RuntimeError`` as ``torch.ops`` does;
+  their declared list is ``aiter.ops.mha``, which the fake maps to the release's stub module;
+* the Python function ``flash_attn_varlen_fp8_pertensor_func`` shows its real signature and
+  raises ``TypeError`` on a bad call.
+
+Each call is then checked the way aiter checks it:
 
 * the C++ ``TORCH_CHECK``s: dtypes, unit last-dim stride, int32 contiguous ``cu_seqlens`` on
-  Q's device, ``Hq % Hk == 0``, head dim limits (aiter_meta/csrc/py_itfs_*/..._varlen_fwd*.cu);
-* aiter's own isinstance checks of op arguments (``int``, ``float``, ``bool``...,
-  aiter/jit/core.py:813-890): a Python int where a float is declared is refused;
+  Q's device, ``Hq % Hk == 0``, head dim limits, descales all given or none;
+* aiter's own isinstance checks of op arguments (aiter/jit/core.py ``check_args``): a Python
+  int where a float is declared is refused;
+* what the kernel reads through raw pointers: a descale must be a float32 one-element tensor on
+  Q's device, or the kernel would read other bytes;
 * which kernels exist: the ASM kernels only for bf16 d128 (d192/128 on gfx950) on gfx942/gfx950
   and the right CU counts, the FP8 kernels only for the arch's FP8 dtype at d128.
 
 Then it computes attention per sequence in float32 (GQA, bottom-right causal) and returns what
-aiter returns. Output rows that no sequence covers are NaN, as uninitialised memory would be
-garbage. Every call and every public attribute read is recorded.
+aiter returns. Nothing hides a NaN: a row with no visible key is NaN, and output rows no
+sequence covers are NaN, as uninitialised memory would be garbage. Every call and every public
+attribute read is recorded.
 """
 
 from __future__ import annotations
@@ -33,154 +43,51 @@ from typing import Any
 
 import pytest
 import torch
+from attn_backends_builtin import _aiter_binding
 
-AITER_VERSION = "0.1.7.post2.dev18"
+from tests.aiter_signatures import NEWEST, Release
+
 ASM_ARCHS = frozenset({"gfx942", "gfx950"})
 CK_ARCHS = frozenset({"gfx90a", "gfx942", "gfx950"})
 ASM_GFX942_CU_COUNTS = frozenset({304, 80, 64})
 NATIVE_FP8 = {"gfx942": torch.float8_e4m3fnuz, "gfx950": torch.float8_e4m3fn}
 E4M3 = frozenset({torch.float8_e4m3fn, torch.float8_e4m3fnuz})
+COMPILED_OPS = frozenset({"mha_varlen_fwd", "fmha_v3_varlen_fwd"})
+FP8_ENTRY = "flash_attn_varlen_fp8_pertensor_func"
+DESCALES = ("q_descale", "k_descale", "v_descale")
 
 
-# Signatures of aiter/ops/mha.py (amd-aiter 0.1.7.post2.dev18). Only names, order, defaults and
-# declared types matter; bodies are never run.
+def stub_of(release: Release, name: str) -> Callable[..., Any]:
+    """The release's declaration of ``name``: only its parameters matter, it is never run."""
+    stub = vars(release.stubs)[name]
+    assert callable(stub)
+    return typing.cast(Callable[..., Any], stub)
 
 
-def _sig_mha_varlen_fwd(
-    q: torch.Tensor,
-    k: torch.Tensor,
-    v: torch.Tensor,
-    cu_seqlens_q: torch.Tensor,
-    cu_seqlens_k: torch.Tensor | None,
-    max_seqlen_q: int,
-    max_seqlen_k: int,
-    min_seqlen_q: int,
-    dropout_p: float,
-    softmax_scale: float,
-    logits_soft_cap: float,
-    zero_tensors: bool,
-    is_causal: bool,
-    window_size_left: int,
-    window_size_right: int,
-    return_softmax_lse: bool,
-    return_dropout_randval: bool,
-    out: torch.Tensor | None = None,
-    block_table: torch.Tensor | None = None,
-    bias: torch.Tensor | None = None,
-    alibi_slopes: torch.Tensor | None = None,
-    gen: torch.Generator | None = None,
-    cu_seqlens_q_padded: torch.Tensor | None = None,
-    cu_seqlens_k_padded: torch.Tensor | None = None,
-) -> None: ...
-
-
-def _sig_fmha_v3_varlen_fwd(
-    q: torch.Tensor,
-    k: torch.Tensor,
-    v: torch.Tensor,
-    cu_seqlens_q: torch.Tensor,
-    cu_seqlens_k: torch.Tensor | None,
-    max_seqlen_q: int,
-    max_seqlen_k: int,
-    min_seqlen_q: int,
-    dropout_p: float,
-    softmax_scale: float,
-    logits_soft_cap: float,
-    zero_tensors: bool,
-    is_causal: bool,
-    window_size_left: int,
-    window_size_right: int,
-    return_softmax_lse: bool,
-    return_dropout_randval: bool,
-    how_v3_bf16_cvt: int,
-    out: torch.Tensor | None = None,
-    block_table: torch.Tensor | None = None,
-    bias: torch.Tensor | None = None,
-    alibi_slopes: torch.Tensor | None = None,
-    gen: torch.Generator | None = None,
-) -> None: ...
-
-
-def _sig_flash_attn_varlen_func(
-    q,
-    k,
-    v,
-    cu_seqlens_q,
-    cu_seqlens_k,
-    max_seqlen_q,
-    max_seqlen_k,
-    min_seqlen_q=0,
-    dropout_p=0.0,
-    softmax_scale=None,
-    logits_soft_cap=0.0,
-    causal=False,
-    window_size=(-1, -1),
-    bias=None,
-    alibi_slopes=None,
-    deterministic=False,
-    return_lse=False,
-    return_attn_probs=False,
-    how_v3_bf16_cvt=1,
-    block_table=None,
-    out=None,
-    cu_seqlens_q_padded: torch.Tensor | None = None,
-    cu_seqlens_k_padded: torch.Tensor | None = None,
-) -> None: ...
-
-
-def _sig_flash_attn_varlen_fp8_pertensor_func(
-    q,
-    k,
-    v,
-    cu_seqlens_q,
-    cu_seqlens_k,
-    max_seqlen_q,
-    max_seqlen_k,
-    min_seqlen_q=0,
-    logits_soft_cap=0.0,
-    causal=False,
-    window_size=(-1, -1),
-    softmax_scale=None,
-) -> None: ...
-
-
-SIGNATURES: dict[str, Callable[..., None]] = {
-    "mha_varlen_fwd": _sig_mha_varlen_fwd,
-    "fmha_v3_varlen_fwd": _sig_fmha_v3_varlen_fwd,
-    "flash_attn_varlen_func": _sig_flash_attn_varlen_func,
-    "flash_attn_varlen_fp8_pertensor_func": _sig_flash_attn_varlen_fp8_pertensor_func,
-}
-"""Public name -> stub with the real parameter list."""
-
-
-def _bind(name: str, args: tuple[Any, ...], kwargs: dict[str, Any]) -> dict[str, Any]:
-    """Bind a call to the real signature (TypeError on a wrong name), defaults filled in."""
-    bound = inspect.signature(SIGNATURES[name]).bind(*args, **kwargs)
-    bound.apply_defaults()
-    return dict(bound.arguments)
-
-
-def _check_types(name: str, arguments: dict[str, Any]) -> None:
+def _check_types(stub: Callable[..., Any], name: str, arguments: dict[str, Any]) -> None:
     """aiter's isinstance check of op arguments against the declared types."""
-    hints = typing.get_type_hints(SIGNATURES[name])
+    hints = typing.get_type_hints(stub)
     for param, value in arguments.items():
         hint = hints.get(param)
         if hint is None:
             continue
-        options = typing.get_args(hint) if isinstance(hint, types.UnionType) else (hint,)
-        allowed = tuple(t for t in options if t is not type(None))
+        union = typing.get_origin(hint) in (typing.Union, types.UnionType)
+        options = typing.get_args(hint) if union else (hint,)
         if value is None and type(None) in options:
             continue
+        allowed = tuple(t for t in options if t is not type(None))
         if not isinstance(value, allowed):
             raise TypeError(f"{name}: {param} needs to be {hint} but got {type(value)}")
 
 
 @dataclass(frozen=True)
 class Call:
-    """One recorded call: the public function and its arguments by parameter name."""
+    """One recorded call: the public function, its arguments by parameter name (defaults
+    filled in), and how many of them came positionally."""
 
     name: str
     args: dict[str, Any]
+    positional: int
 
 
 def _fail(message: str) -> RuntimeError:
@@ -228,13 +135,37 @@ def _check_varlen(a: dict[str, Any]) -> tuple[list[int], list[int]]:
     return cuq, cuk
 
 
-def _window(a: dict[str, Any]) -> tuple[int, int]:
+def _check_no_window_or_sink(a: dict[str, Any]) -> None:
     left, right = a["window_size_left"], a["window_size_right"]
     left = -1 if left >= a["max_seqlen_k"] else left
     right = -1 if right >= a["max_seqlen_k"] else right
     if (left, right) != (-1, -1):
         raise NotImplementedError("the fake serves no sliding window")
-    return left, right
+    if a.get("sink_size", 0) != 0 or a.get("sink_ptr") is not None:
+        raise NotImplementedError("the fake serves no attention sink")
+
+
+def _descales(a: dict[str, Any], q: torch.Tensor) -> tuple[float, float, float] | None:
+    """The per-tensor descales the kernel would read, checked as its raw pointers need."""
+    given = [a.get(name) for name in DESCALES]
+    if all(t is None for t in given):
+        return None
+    if any(t is None for t in given):
+        raise _fail("q_descale, k_descale, v_descale must be all provided or all not provided")
+    values = []
+    for name, t in zip(DESCALES, given, strict=True):
+        if (
+            not isinstance(t, torch.Tensor)
+            or t.dtype != torch.float32
+            or t.numel() != 1
+            or t.device != q.device
+        ):
+            raise _fail(
+                f"{name} is read through a float pointer: it must be a float32 one-element "
+                f"tensor on q's device, got {t!r}"
+            )
+        values.append(float(t.item()))
+    return values[0], values[1], values[2]
 
 
 def attention(
@@ -246,7 +177,11 @@ def attention(
     scale: float,
     causal: bool,
 ) -> torch.Tensor:
-    """Float32 varlen attention; causal is bottom-right aligned as in aiter."""
+    """Float32 varlen attention; causal is bottom-right aligned as in aiter.
+
+    A row that sees no key comes out NaN: in a no-cache prefill every causal row sees at least
+    its own position, so such a row is a bug to surface, not a value to hide.
+    """
     hq, hk = q.shape[1], k.shape[1]
     out = torch.full((q.shape[0], hq, v.shape[2]), float("nan"), dtype=torch.float32)
     for b in range(len(cuq) - 1):
@@ -261,7 +196,7 @@ def attention(
             i = torch.arange(lq)[:, None]
             j = torch.arange(lk)[None, :]
             scores = scores.masked_fill(j > i + (lk - lq), float("-inf"))
-        probs = torch.nan_to_num(torch.softmax(scores, dim=-1), nan=0.0)
+        probs = torch.softmax(scores, dim=-1)
         out[cuq[b] : cuq[b + 1]] = torch.einsum("hqk,khd->qhd", probs, vs)
     return out
 
@@ -279,10 +214,23 @@ class FakeAiterModule(types.ModuleType):
         return types.ModuleType.__getattribute__(self, name)
 
 
+class PythonFunction:
+    """A plain Python aiter function: `inspect.signature` sees the release's parameter list."""
+
+    def __init__(self, impl: Callable[..., Any], signature: inspect.Signature) -> None:
+        self._impl = impl
+        self.__signature__ = signature
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        return self._impl(*args, **kwargs)
+
+
 @dataclass
 class FakeAiter:
-    """The fake library for one GPU: arch and CU count decide which kernels exist."""
+    """The fake library for one release on one GPU: arch and CU count decide which kernels
+    exist."""
 
+    release: Release = NEWEST
     gfx: str = "gfx942"
     cu_count: int = 304
     calls: list[Call] = field(default_factory=list)
@@ -297,71 +245,55 @@ class FakeAiter:
         mod = FakeAiterModule(self)
         mod.mha_varlen_fwd = self.mha_varlen_fwd  # type: ignore[attr-defined]
         mod.fmha_v3_varlen_fwd = self.fmha_v3_varlen_fwd  # type: ignore[attr-defined]
-        mod.flash_attn_varlen_func = self.flash_attn_varlen_func  # type: ignore[attr-defined]
-        mod.flash_attn_varlen_fp8_pertensor_func = (  # type: ignore[attr-defined]
-            self.flash_attn_varlen_fp8_pertensor_func
+        mod.flash_attn_varlen_fp8_pertensor_func = PythonFunction(  # type: ignore[attr-defined]
+            self.flash_attn_varlen_fp8_pertensor_func,
+            inspect.signature(stub_of(self.release, FP8_ENTRY)),
         )
         mod.dtypes = types.SimpleNamespace(  # type: ignore[attr-defined]
             fp8=self.fp8, bf16=torch.bfloat16, fp16=torch.float16, fp32=torch.float32
         )
         return mod
 
-    def _record(self, name: str, args: tuple[Any, ...], kwargs: dict[str, Any]) -> dict[str, Any]:
-        bound = _bind(name, args, kwargs)
-        self.calls.append(Call(name, bound))
-        return bound
+    def version_module(self) -> types.ModuleType:
+        """``aiter._version``, as setuptools-scm writes it into a built aiter."""
+        mod = types.ModuleType("aiter._version")
+        mod.__version__ = self.release.version  # type: ignore[attr-defined]
+        return mod
 
-    # The two compiled ops (what the backends call).
+    def _record(self, name: str, args: tuple[Any, ...], kwargs: dict[str, Any]) -> dict[str, Any]:
+        """Bind a call to the release's declaration (defaults filled in) and record it."""
+        signature = inspect.signature(stub_of(self.release, name))
+        try:
+            bound = signature.bind(*args, **kwargs)
+        except TypeError as exc:
+            if name in COMPILED_OPS:
+                # torch.ops binds a compiled op's call to its schema and raises RuntimeError.
+                raise RuntimeError(f"aiter::{name}() {exc}") from exc
+            raise
+        bound.apply_defaults()
+        arguments = dict(bound.arguments)
+        self.calls.append(Call(name, arguments, len(args)))
+        return arguments
+
+    # The two compiled ops.
 
     def mha_varlen_fwd(self, *args: Any, **kwargs: Any) -> tuple[torch.Tensor, ...]:
-        return self._ck(self._record("mha_varlen_fwd", args, kwargs))
+        a = self._record("mha_varlen_fwd", args, kwargs)
+        _check_types(stub_of(self.release, "mha_varlen_fwd"), "mha_varlen_fwd", a)
+        return self._ck(a)
 
     def fmha_v3_varlen_fwd(self, *args: Any, **kwargs: Any) -> tuple[torch.Tensor, ...]:
-        return self._asm(self._record("fmha_v3_varlen_fwd", args, kwargs))
+        a = self._record("fmha_v3_varlen_fwd", args, kwargs)
+        _check_types(stub_of(self.release, "fmha_v3_varlen_fwd"), "fmha_v3_varlen_fwd", a)
+        return self._asm(a)
 
-    # The Python wrappers (aiter/ops/mha.py:2380 and :2730), routing as aiter does.
-
-    def flash_attn_varlen_func(self, *args: Any, **kwargs: Any) -> torch.Tensor:
-        a = self._record("flash_attn_varlen_func", args, kwargs)
-        if a["return_lse"] or a["return_attn_probs"] or a["out"] is not None:
-            raise NotImplementedError("the fake returns the output only")
-        q, v = a["q"], a["v"]
-        scale = a["softmax_scale"] if a["softmax_scale"] is not None else q.shape[-1] ** -0.5
-        op = {
-            **{n: a[n] for n in ("q", "k", "v", "cu_seqlens_q", "cu_seqlens_k")},
-            **{n: a[n] for n in ("max_seqlen_q", "max_seqlen_k", "min_seqlen_q", "dropout_p")},
-            "softmax_scale": scale,
-            "logits_soft_cap": a["logits_soft_cap"],
-            "zero_tensors": False,
-            "is_causal": a["causal"],
-            "window_size_left": a["window_size"][0],
-            "window_size_right": a["window_size"][1],
-            "return_softmax_lse": False,
-            "return_dropout_randval": False,
-            "out": None,
-            "block_table": a["block_table"],
-            "bias": a["bias"],
-            "alibi_slopes": a["alibi_slopes"],
-            "gen": None,
-        }
-        asm = (
-            a["bias"] is None
-            and a["alibi_slopes"] is None
-            and a["dropout_p"] == 0.0
-            and v.shape[-1] == 128
-            and (q.shape[-1] == 128 or (self.gfx == "gfx950" and q.shape[-1] == 192))
-            and q.dtype == torch.bfloat16
-            and a["cu_seqlens_q_padded"] is None
-            and a["cu_seqlens_k_padded"] is None
-        )
-        if asm:
-            return self._asm({**op, "how_v3_bf16_cvt": a["how_v3_bf16_cvt"]})[0]
-        return self._ck({**op, "cu_seqlens_q_padded": None, "cu_seqlens_k_padded": None})[0]
+    # The Python FP8 entry point, routed to the CK kernel as aiter routes it.
 
     def flash_attn_varlen_fp8_pertensor_func(self, *args: Any, **kwargs: Any) -> torch.Tensor:
-        a = self._record("flash_attn_varlen_fp8_pertensor_func", args, kwargs)
+        a = self._record(FP8_ENTRY, args, kwargs)
         q = a["q"]
         scale = a["softmax_scale"] if a["softmax_scale"] is not None else q.shape[-1] ** -0.5
+        window = tuple(a["window_size"])
         op = {
             **{n: a[n] for n in ("q", "k", "v", "cu_seqlens_q", "cu_seqlens_k")},
             **{n: a[n] for n in ("max_seqlen_q", "max_seqlen_k", "min_seqlen_q")},
@@ -370,24 +302,23 @@ class FakeAiter:
             "logits_soft_cap": a["logits_soft_cap"],
             "zero_tensors": False,
             "is_causal": a["causal"],
-            "window_size_left": int(a["window_size"][0]),
-            "window_size_right": int(a["window_size"][1]),
+            "window_size_left": int(window[0]),
+            "window_size_right": int(window[1]),
+            "sink_size": int(window[2]) if len(window) == 3 else 0,
             "return_softmax_lse": False,
             "return_dropout_randval": False,
             "out": None,
             "block_table": None,
             "bias": None,
             "alibi_slopes": None,
-            "gen": None,
-            "cu_seqlens_q_padded": None,
-            "cu_seqlens_k_padded": None,
+            **{name: a.get(name) for name in DESCALES},
+            "sink_ptr": a.get("sink_ptr"),
         }
         return self._ck(op)[0]
 
     # Kernel emulation.
 
     def _ck(self, a: dict[str, Any]) -> tuple[torch.Tensor, ...]:
-        _check_types("mha_varlen_fwd", a)
         cuq, cuk = _check_varlen(a)
         if self.gfx not in CK_ARCHS:
             raise _fail(f"no CK fmha kernels for {self.gfx}")
@@ -395,6 +326,7 @@ class FakeAiter:
         fp8 = q.dtype in E4M3
         if q.dtype not in (torch.float16, torch.bfloat16) and not fp8:
             raise _fail("FlashAttention only support fp16, bf16 and fp8_e4m3 data type")
+        descales = _descales(a, q)
         if fp8:
             if q.dtype != self.fp8:
                 raise _fail(f"no fp8bf16 kernel for {q.dtype} on {self.gfx}")
@@ -402,20 +334,27 @@ class FakeAiter:
                 raise _fail("aiter builds fp8bf16 varlen kernels for head dim 128 only")
             if a["min_seqlen_q"] or a["logits_soft_cap"] or a["return_softmax_lse"]:
                 raise _fail("fp8 kernels have no skip, soft cap or lse variants")
+        elif descales is not None:
+            raise _fail(f"no {q.dtype} kernel with per-tensor descales")
         if a["dropout_p"] != 0.0 or a["return_dropout_randval"] or a["logits_soft_cap"] != 0.0:
             raise NotImplementedError("the fake serves no dropout or logits soft cap")
-        if a["cu_seqlens_q_padded"] is not None or a["cu_seqlens_k_padded"] is not None:
+        if a.get("cu_seqlens_q_padded") is not None or a.get("cu_seqlens_k_padded") is not None:
             raise NotImplementedError("the fake serves no padded cu_seqlens")
-        _window(a)
+        _check_no_window_or_sink(a)
+        scale, out_scale = a["softmax_scale"], 1.0
+        if descales is not None:
+            scale, out_scale = scale * descales[0] * descales[1], descales[2]
         out_dtype = torch.bfloat16 if fp8 else q.dtype
-        return self._finish(a, cuq, cuk, out_dtype)
+        return self._finish(a, cuq, cuk, out_dtype, scale, out_scale)
 
     def _asm(self, a: dict[str, Any]) -> tuple[torch.Tensor, ...]:
-        _check_types("fmha_v3_varlen_fwd", a)
         cuq, cuk = _check_varlen(a)
         q, v = a["q"], a["v"]
         if q.dtype not in (torch.float16, torch.bfloat16):
             raise _fail("FlashAttention only support fp16 and bf16 data type")
+        if _descales(a, q) is not None:
+            raise NotImplementedError("the fake serves no ASM descales")
+        _check_no_window_or_sink(a)
         dims = (q.shape[2], v.shape[2])
         kernel = (
             self.gfx in ASM_ARCHS
@@ -423,19 +362,24 @@ class FakeAiter:
             and (dims == (128, 128) or (self.gfx == "gfx950" and dims == (192, 128)))
             and a["dropout_p"] == 0.0
             and a["how_v3_bf16_cvt"] in (0, 1, 2)
-            and _window(a) == (-1, -1)
         )
         if not kernel:
             raise _fail("invalid argument for fmha_v3_varlen_fwd 3")
         if self.gfx == "gfx942" and self.cu_count not in ASM_GFX942_CU_COUNTS:
             raise _fail(f"no gfx942 ASM kernel objects for {self.cu_count} CUs")
-        return self._finish(a, cuq, cuk, q.dtype)
+        return self._finish(a, cuq, cuk, q.dtype, a["softmax_scale"], 1.0)
 
     def _finish(
-        self, a: dict[str, Any], cuq: list[int], cuk: list[int], out_dtype: torch.dtype
+        self,
+        a: dict[str, Any],
+        cuq: list[int],
+        cuk: list[int],
+        out_dtype: torch.dtype,
+        scale: float,
+        out_scale: float,
     ) -> tuple[torch.Tensor, ...]:
         q = a["q"]
-        out = attention(q, a["k"], a["v"], cuq, cuk, a["softmax_scale"], a["is_causal"])
+        out = attention(q, a["k"], a["v"], cuq, cuk, scale, a["is_causal"]) * out_scale
         result = out.to(device=q.device, dtype=out_dtype)
         given = a["out"]
         if given is not None:
@@ -448,10 +392,23 @@ class FakeAiter:
         return result, lse, p, rng
 
 
-def install(monkeypatch: pytest.MonkeyPatch, gfx: str = "gfx942", cu_count: int = 304) -> FakeAiter:
-    """Put a fresh fake at ``sys.modules["aiter"]`` for one test; monkeypatch undoes it."""
-    fake = FakeAiter(gfx=gfx, cu_count=cu_count)
+def install(
+    monkeypatch: pytest.MonkeyPatch,
+    gfx: str = "gfx942",
+    cu_count: int = 304,
+    release: Release = NEWEST,
+) -> FakeAiter:
+    """Put a fresh fake at ``sys.modules["aiter"]`` for one test; monkeypatch undoes it.
+
+    ``aiter.ops.mha`` is the release's stub module (where the real package declares its ops)
+    and ``aiter._version`` reports its version. The backends' bindings start empty, so what
+    ``describe`` reports comes from this fake only.
+    """
+    fake = FakeAiter(release=release, gfx=gfx, cu_count=cu_count)
     monkeypatch.setitem(sys.modules, "aiter", fake.module())
+    monkeypatch.setitem(sys.modules, "aiter.ops.mha", release.stubs)
+    monkeypatch.setitem(sys.modules, "aiter._version", fake.version_module())
+    monkeypatch.setattr(_aiter_binding, "_BOUND", {})
     return fake
 
 

@@ -1,6 +1,7 @@
 """``aiter-asm`` and ``aiter-nonasm`` on a real ROCm GPU with amd-aiter installed.
 
-Skipped at collection elsewhere (root conftest.py, ``rocm`` marker). Run on an MI300/MI350 host:
+Not yet run on ROCm hardware. Skipped at collection elsewhere (root conftest.py, ``rocm``
+marker). Run on an MI300/MI350 host:
 
     python -m pytest -q tests/rocm -rs
 
@@ -14,6 +15,7 @@ from typing import Any
 
 import pytest
 import torch
+from attn_backends_builtin import _aiter_common
 
 import attn_backends as ab
 from attn_backends.testing import NoCachePrefillConformance
@@ -35,7 +37,11 @@ def _platform() -> ab.Platform:
 
 
 def _run(
-    backend: str, spec: ab.AttentionSpec, scales: tuple[float, float, float] | None = None
+    backend: str,
+    spec: ab.AttentionSpec,
+    scales: tuple[float, float, float] | None = None,
+    *,
+    host_scales: bool = False,
 ) -> float:
     """One forward on the GPU; returns the relative error against the float64 reference."""
     params = ab.FMHAParams.from_lengths(LENGTHS, device="cuda", padded_rows=sum(LENGTHS) + 5)
@@ -46,7 +52,11 @@ def _run(
         real[:, : spec.q_width] /= scales[0]
         real[:, spec.q_width : spec.q_width + spec.kv_width] /= scales[1]
         real[:, spec.q_width + spec.kv_width :] /= scales[2]
-        fp8_scales = ab.Fp8Scales(*(torch.tensor(s, device="cuda") for s in scales))
+        fp8_scales = (
+            ab.Fp8Scales(*scales)
+            if host_scales
+            else ab.Fp8Scales(*(torch.tensor(s, device="cuda") for s in scales))
+        )
     packed = real.to(device="cuda", dtype=spec.dtype)
     pristine = packed.clone()
     selection = ab.select(spec, backend=backend, platform=_platform())
@@ -59,14 +69,40 @@ def _run(
 
 
 @pytest.mark.parametrize("causal", [True, False])
-def test_fp8_per_tensor_matches_reference(causal):
+@pytest.mark.parametrize("host_scales", [False, True], ids=["tensor-scales", "float-scales"])
+def test_fp8_per_tensor_matches_reference(causal, host_scales):
     arch = _platform().arch or ""
     if arch not in NATIVE_FP8:
         pytest.skip(f"aiter has no FP8 attention kernels for {arch}")
     dtype = NATIVE_FP8[arch]
     spec = ab.AttentionSpec(16, 4, 128, dtype, causal=causal)
-    err = _run("aiter-nonasm", spec, scales=(0.05, 0.2, 0.5))
+    err = _run("aiter-nonasm", spec, scales=(0.05, 0.2, 0.5), host_scales=host_scales)
     assert err < ab.TOLERANCE[dtype]
+
+
+@pytest.mark.parametrize(
+    ("backend", "dtype"),
+    [("aiter-asm", torch.bfloat16), ("aiter-nonasm", torch.float16), ("aiter-nonasm", None)],
+)
+def test_the_installed_aiter_is_bound_by_its_own_parameter_lists(backend, dtype):
+    """What prepare read from this aiter: its version, and the ops' lists from their source."""
+    arch = _platform().arch or ""
+    dtype = dtype if dtype is not None else NATIVE_FP8.get(arch)
+    if dtype is None:
+        pytest.skip(f"aiter has no FP8 attention kernels for {arch}")
+    spec = ab.AttentionSpec(16, 4, 128, dtype, causal=True)
+    selection = ab.select(spec, backend=backend, platform=_platform())
+    plan = selection.backend.prepare(ab.FMHAParams.from_lengths(LENGTHS, device="cuda"))
+    kernel = plan.kernel
+    assert isinstance(kernel, _aiter_common.AiterPlan)
+    binding = kernel.binding
+    assert binding.aiter_version != "unknown"
+    ops = ("mha_varlen_fwd", "fmha_v3_varlen_fwd")
+    assert binding.read_from == (
+        "aiter/ops/mha.py" if binding.entry in ops else "inspect.signature"
+    )
+    details = selection.backend.describe(_platform())
+    assert binding.aiter_version in details["aiter_signature"]
 
 
 @pytest.mark.parametrize(

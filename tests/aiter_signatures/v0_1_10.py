@@ -1,0 +1,105 @@
+# mypy: disable-error-code="empty-body"
+"""amd-aiter 0.1.10 (tag v0.1.10, 2026-01-15).
+
+Copied from aiter/ops/mha.py for the CPU tests: names, order, defaults and declared types of
+the three entry points the aiter backends call, no bodies. ``Optional[X]`` is written
+``X | None``; the comparison with the source normalises both.
+
+Adds the optional ``sink_ptr`` to ``mha_varlen_fwd`` and to the FP8 entry point.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+VERSION = "0.1.10.post3"
+"""The release the fake reports as installed for these parameter lists."""
+
+RELEASES = "0.1.10 (2026-01-15) to 0.1.10.post3 (2026-02-11)"
+"""Every release whose three parameter lists are exactly these."""
+
+
+# aiter/ops/mha.py:465
+def mha_varlen_fwd(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    cu_seqlens_q: torch.Tensor,
+    cu_seqlens_k: torch.Tensor | None,
+    max_seqlen_q: int,
+    max_seqlen_k: int,
+    min_seqlen_q: int,
+    dropout_p: float,
+    softmax_scale: float,
+    logits_soft_cap: float,
+    zero_tensors: bool,
+    is_causal: bool,
+    window_size_left: int,
+    window_size_right: int,
+    sink_size: int,
+    return_softmax_lse: bool,
+    return_dropout_randval: bool,
+    out: torch.Tensor | None = None,
+    block_table: torch.Tensor | None = None,
+    bias: torch.Tensor | None = None,
+    alibi_slopes: torch.Tensor | None = None,
+    q_descale: torch.Tensor | None = None,
+    k_descale: torch.Tensor | None = None,
+    v_descale: torch.Tensor | None = None,
+    gen: torch.Generator | None = None,
+    cu_seqlens_q_padded: torch.Tensor | None = None,
+    cu_seqlens_k_padded: torch.Tensor | None = None,
+    sink_ptr: Tensor | None = None,
+) -> tuple[Tensor, Tensor, Tensor, Tensor]: ...
+
+
+# aiter/ops/mha.py:563
+def fmha_v3_varlen_fwd(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    cu_seqlens_q: torch.Tensor,
+    cu_seqlens_k: torch.Tensor,
+    max_seqlen_q: int,
+    max_seqlen_k: int,
+    min_seqlen_q: int,
+    dropout_p: float,
+    softmax_scale: float,
+    logits_soft_cap: float,
+    zero_tensors: bool,
+    is_causal: bool,
+    window_size_left: int,
+    window_size_right: int,
+    return_softmax_lse: bool,
+    return_dropout_randval: bool,
+    how_v3_bf16_cvt: int,
+    out: torch.Tensor | None = None,
+    block_table: torch.Tensor | None = None,
+    bias: torch.Tensor | None = None,
+    alibi_slopes: torch.Tensor | None = None,
+    gen: torch.Generator | None = None,
+    cu_seqlens_q_padded: torch.Tensor | None = None,
+    cu_seqlens_k_padded: torch.Tensor | None = None,
+) -> tuple[Tensor, Tensor, Tensor, Tensor]: ...
+
+
+# aiter/ops/mha.py:2921
+def flash_attn_varlen_fp8_pertensor_func(
+    q,
+    k,
+    v,
+    q_descale,
+    k_descale,
+    v_descale,
+    cu_seqlens_q,
+    cu_seqlens_k,
+    max_seqlen_q,
+    max_seqlen_k,
+    min_seqlen_q=0,
+    logits_soft_cap=0.0,
+    causal=False,
+    window_size=(-1, -1, 0),
+    softmax_scale=None,
+    sink_ptr=None,
+): ...
