@@ -23,9 +23,9 @@ buffer pays for a tuple comparison, a different buffer is checked again in full.
 from __future__ import annotations
 
 import math
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
-from typing import Literal, NamedTuple, TypeAlias
+from typing import Literal, TypeAlias
 
 import torch
 
@@ -120,6 +120,11 @@ class PrefillPlan:
     """Backend-owned plan (a wrapper, host metadata...); opaque to the contract."""
     memo: BufferMemo = field(default_factory=BufferMemo, repr=False, compare=False)
     """Checks already passed for the last buffer signature (see `BufferMemo`)."""
+    rotates: bool = field(init=False, repr=False, compare=False)
+    """``preprocess`` is a separate pass that writes the caller's buffer."""
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "rotates", is_separate(self.preprocess))
 
     @property
     def output_rows(self) -> int:
@@ -127,17 +132,43 @@ class PrefillPlan:
         return self.params.token_q_num
 
 
-class QKVViews(NamedTuple):
+class QKVViews:
     """Q, K, V of the valid rows, ``[tokens, heads, D]`` each, plus the FP8 scales if any.
 
-    ``packed`` is the ``[tokens, (Hq + 2*Hkv) * D]`` rows they were cut from.
+    ``packed`` is the ``[tokens, (Hq + 2*Hkv) * D]`` rows they were cut from, trimmed to the
+    valid tokens when first read (kernels on Q/K/V views never pay for it).
     """
 
-    packed: torch.Tensor
-    q: torch.Tensor
-    k: torch.Tensor
-    v: torch.Tensor
-    fp8_scales: Fp8Scales | None
+    __slots__ = ("_packed", "_rows", "fp8_scales", "k", "q", "v")
+
+    def __init__(
+        self,
+        packed: torch.Tensor,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        fp8_scales: Fp8Scales | None = None,
+    ) -> None:
+        self._packed = packed
+        self._rows: torch.Tensor | None = None
+        self.q = q
+        self.k = k
+        self.v = v
+        self.fp8_scales = fp8_scales
+
+    @property
+    def packed(self) -> torch.Tensor:
+        rows = self._rows
+        if rows is None:
+            tokens = self.q.shape[0]
+            source = self._packed
+            rows = source if source.shape[0] == tokens else source[:tokens]
+            self._rows = rows
+        return rows
+
+    def __iter__(self) -> Iterator[object]:
+        """``packed, q, k, v, fp8_scales``, as the tuple this class once was."""
+        return iter((self.packed, self.q, self.k, self.v, self.fp8_scales))
 
 
 def prepare_plan(
@@ -279,6 +310,11 @@ class Geometry:
     dense_tensors: bool
     """Hand Q, K, V over as separate dense tensors (``needs_contiguous``)."""
     output_shape: torch.Size
+    output_rows: torch.Size
+    """``[tokens, Hq * D]``: what ``forward`` returns."""
+    output_dtype: torch.dtype
+    plain: bool
+    """Views only, no FP8: the per-layer call takes the short path in `run_forward`."""
 
 
 def buffer_signature(packed: torch.Tensor) -> tuple[object, ...]:
@@ -305,6 +341,7 @@ def make_geometry(
     rows = packed[:tokens]
     strided = tokens > 1 and rows.stride(0) != spec.qkv_width
     copy_rows = (dense_packed and strided) or not accepts_rows(rows)
+    dense_tensors = layout == "dense-tensors"
     return Geometry(
         tokens=tokens,
         heads_size=(tokens, heads, spec.head_dim),
@@ -312,8 +349,11 @@ def make_geometry(
         storage_offset=int(packed.storage_offset()),
         split=(spec.num_heads, spec.num_kv_heads, spec.num_kv_heads),
         copy_rows=copy_rows,
-        dense_tensors=layout == "dense-tensors",
+        dense_tensors=dense_tensors,
         output_shape=torch.Size((tokens, spec.num_heads, spec.head_dim)),
+        output_rows=torch.Size((tokens, spec.q_width)),
+        output_dtype=spec.output_dtype,
+        plain=not (copy_rows or dense_tensors or spec.is_fp8),
     )
 
 
@@ -377,17 +417,54 @@ def run_forward(
 ) -> torch.Tensor:
     """Validate, pre-process in place, split, run ``attend`` and shape the output.
 
-    Order matters: every check that can fail comes before the first write (`_execute`).
+    Order matters: every check that can fail comes before the first write. The first branch
+    is the per-layer steady state (a plan's own buffer signature seen before, views, no FP8):
+    the same checks, in as few interpreter steps as they take; everything else goes through
+    the general path below and `_execute`.
     """
     if (
-        type(plan) is not PrefillPlan
-        or plan.backend != backend
-        or (plan.spec is not spec and plan.spec != spec)
+        type(plan) is PrefillPlan
+        and plan.backend == backend
+        and (plan.spec is spec or plan.spec == spec)
     ):
-        if isinstance(plan, GraphPlan):
-            return run_graph_forward(
-                backend, spec, qkv, plan, fp8_scales, layout, attend, accepts_rows
+        entry = plan.memo.entry
+        if (
+            entry is not None
+            and fp8_scales is None
+            and type(qkv) is torch.Tensor
+            and entry[1].plain
+            and entry[0]
+            == (
+                qkv.data_ptr(),
+                qkv.storage_offset(),
+                qkv.shape,
+                qkv.stride(),
+                qkv.dtype,
+                qkv.device,
             )
+        ):
+            geo = entry[1]
+            if plan.rotates:
+                _rotate(qkv, plan, spec, geo.tokens)
+            q, k, v = qkv.as_strided(
+                geo.heads_size, geo.heads_stride, geo.storage_offset
+            ).split_with_sizes(geo.split, 1)
+            try:
+                out = attend(QKVViews(qkv, q, k, v, None), plan)
+            except Exception as exc:
+                raise _attend_failure(backend, spec, exc, plan.rotates, geo.tokens) from (
+                    exc.__cause__ if isinstance(exc, AttentionBackendError) else exc
+                )
+            if (
+                type(out) is torch.Tensor
+                and out.shape == geo.output_shape
+                and out.dtype == geo.output_dtype
+            ):
+                return out.reshape(geo.output_rows)
+            raise _bad_output(backend, spec, out, geo, plan.rotates, geo.tokens)
+    elif isinstance(plan, GraphPlan):
+        return run_graph_forward(backend, spec, qkv, plan, fp8_scales, layout, attend, accepts_rows)
+    else:
         raise _not_ours(backend, plan)
     packed = qkv if type(qkv) is torch.Tensor else unpack_tuple(qkv)
     entry = plan.memo.entry
@@ -399,11 +476,7 @@ def run_forward(
         geo = make_geometry(checked, spec, params.token_q_num, layout, accepts_rows)
         plan.memo.entry = (buffer_signature(checked), geo)
     assert isinstance(packed, torch.Tensor)  # check_packed proved it for this signature
-
-    def rotate(buffer: torch.Tensor) -> None:
-        apply_preprocess(plan.preprocess, buffer, spec, plan.params, plan.tables)
-
-    return _execute(backend, spec, packed, geo, plan, fp8_scales, attend, rotate, geo.tokens)
+    return _execute(backend, spec, packed, geo, plan, fp8_scales, attend, geo.tokens)
 
 
 def run_graph_forward(
@@ -431,12 +504,68 @@ def run_graph_forward(
         geo = make_geometry(checked, spec, rows, layout, accepts_rows)
         plan.memo.entry = (buffer_signature(checked), geo)
     assert isinstance(packed, torch.Tensor)  # check_packed proved it for this signature
+    return _execute(backend, spec, packed, geo, plan, fp8_scales, attend, params.token_q_num)
 
-    def rotate(buffer: torch.Tensor) -> None:
-        apply_graph_preprocess(plan.preprocess, buffer, spec, plan.rope_cu, geo.tokens)
 
-    written = params.token_q_num
-    return _execute(backend, spec, packed, geo, plan, fp8_scales, attend, rotate, written)
+def _rotate(packed: torch.Tensor, plan: AnyPlan, spec: AttentionSpec, written_rows: int) -> None:
+    """The plan's separate RoPE/logn pass, after the write checks; a failure names the rows
+    it may have written."""
+    if (packed.requires_grad and torch.is_grad_enabled()) or (
+        packed.is_inference() and not torch.is_inference_mode_enabled()
+    ):
+        check_writable(packed)  # raises the named error; nothing written
+    try:
+        if isinstance(plan, GraphPlan):
+            apply_graph_preprocess(
+                plan.preprocess, packed, spec, plan.rope_cu, plan.bucket.max_tokens
+            )
+        else:
+            apply_preprocess(plan.preprocess, packed, spec, plan.params, plan.tables)
+    except Exception as exc:
+        note = modified_note(spec, written_rows, certain=False)
+        raise BackendFailure(
+            f"the {plan.preprocess} RoPE/logn pass failed: {type(exc).__name__}: {exc}; {note}",
+            modified=note,
+        ) from exc
+
+
+def _attend_failure(
+    backend: str, spec: AttentionSpec, exc: Exception, rotated: bool, written_rows: int
+) -> AttentionBackendError:
+    """The error to raise for an exception from ``attend``: the library's own errors keep
+    their type (gaining the modified note), any other becomes `BackendFailure`."""
+    note = modified_note(spec, written_rows) if rotated else None
+    if isinstance(exc, AttentionBackendError):
+        if note is not None:
+            _mark_modified(exc, note)
+        return exc
+    return BackendFailure(
+        f"backend {backend} failed in attend(): {type(exc).__name__}: {exc}"
+        + (f"; {note}" if note else ""),
+        modified=note,
+    )
+
+
+def _bad_output(
+    backend: str,
+    spec: AttentionSpec,
+    out: object,
+    geo: Geometry,
+    rotated: bool,
+    written_rows: int,
+) -> BackendFailure:
+    note = modified_note(spec, written_rows) if rotated else None
+    got = (
+        f"{tuple(out.shape)} {dtype_name(out.dtype)}"
+        if isinstance(out, torch.Tensor)
+        else type(out).__name__
+    )
+    return BackendFailure(
+        f"backend {backend} returned {got}; the contract needs "
+        f"{tuple(geo.output_shape)} {dtype_name(spec.output_dtype)}"
+        + (f"; {note}" if note else ""),
+        modified=note,
+    )
 
 
 def _execute(
@@ -447,54 +576,26 @@ def _execute(
     plan: AnyPlan,
     fp8_scales: Fp8Scales | None,
     attend: AttendFn,
-    rotate: Callable[[torch.Tensor], None],
     written_rows: int,
 ) -> torch.Tensor:
-    """The per-call part: FP8 and write checks, the in-place pass, the kernel, the output.
-
-    ``written_rows``: the rows the in-place pass rotates, for error messages."""
+    """The per-call part of the general path: FP8 checks, the in-place pass, the cut, the
+    kernel, the output. ``written_rows``: the rows the in-place pass rotates (for errors)."""
     if fp8_scales is not None or spec.is_fp8:
         check_fp8_scales(spec, fp8_scales, packed.device)
-    separate = is_separate(plan.preprocess)
-    if separate:
-        check_writable(packed)
-        try:
-            rotate(packed)
-        except Exception as exc:
-            note = modified_note(spec, written_rows, certain=False)
-            raise BackendFailure(
-                f"the {plan.preprocess} RoPE/logn pass failed: {type(exc).__name__}: {exc}; {note}",
-                modified=note,
-            ) from exc
+    rotated = is_separate(plan.preprocess)
+    if rotated:
+        _rotate(packed, plan, spec, written_rows)
     rows, q, k, v = cut(packed, geo, spec)
     try:
         out = attend(QKVViews(rows, q, k, v, fp8_scales), plan)
-    except AttentionBackendError as exc:
-        if separate:
-            _mark_modified(exc, modified_note(spec, written_rows))
-        raise
     except Exception as exc:
-        failed_note = modified_note(spec, written_rows) if separate else None
-        raise BackendFailure(
-            f"backend {backend} failed in attend(): {type(exc).__name__}: {exc}"
-            + (f"; {failed_note}" if failed_note else ""),
-            modified=failed_note,
-        ) from exc
+        raise _attend_failure(backend, spec, exc, rotated, written_rows) from (
+            exc.__cause__ if isinstance(exc, AttentionBackendError) else exc
+        )
     if (
         type(out) is not torch.Tensor
         or out.shape != geo.output_shape
-        or (out.dtype != spec.output_dtype)
+        or (out.dtype != geo.output_dtype)
     ):
-        shape_note = modified_note(spec, written_rows) if separate else None
-        got = (
-            f"{tuple(out.shape)} {dtype_name(out.dtype)}"
-            if isinstance(out, torch.Tensor)
-            else type(out).__name__
-        )
-        raise BackendFailure(
-            f"backend {backend} returned {got}; the contract needs "
-            f"{tuple(geo.output_shape)} {dtype_name(spec.output_dtype)}"
-            + (f"; {shape_note}" if shape_note else ""),
-            modified=shape_note,
-        )
-    return out.reshape(geo.tokens, spec.q_width)
+        raise _bad_output(backend, spec, out, geo, rotated, written_rows)
+    return out.reshape(geo.output_rows)
