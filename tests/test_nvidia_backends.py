@@ -20,7 +20,7 @@ import pytest
 import torch
 from attn_backends_builtin import _flashinfer_common, headwise
 from attn_backends_builtin import flashinfer as flashinfer_plugin
-from attn_backends_builtin.flashinfer import FlashinferBackend, FlashinferRopeBackend
+from attn_backends_builtin.flashinfer import FlashinferBackend, FlashinferRopeBackend, RaggedPlan
 from attn_backends_builtin.trt import TrtBackend, trt_mask_mode
 
 import attn_backends as ab
