@@ -30,9 +30,9 @@ from attn_backends import (
     PriorityRule,
     Reason,
     ReasonCode,
+    dtype_name,
     hookimpl,
 )
-from attn_backends._dtypes import dtype_name
 
 from ._aiter_binding import EntryPoint
 from ._aiter_common import NATIVE_FP8, AiterVarlenBackend, local_cu_count
