@@ -1,8 +1,9 @@
 #!/usr/bin/env bash
 # Everything the H200 verification runs, in order, each step logged with its time:
-# flashinfer's JIT modules (scripts/gpu/prebuild.py), the fused-RoPE crossover
-# (scripts/gpu/rope_crossover.py), the conformance suite of the flashinfer backends and the GPU
-# tests (scripts/gpu/conformance.sh), then the benchmark. Started by
+# flashinfer's JIT modules (scripts/gpu/prebuild.py), the GPU tests (tests/gpu, graph mode on
+# a whole encoder included), the whole-encoder graph timing (scripts/gpu/graph_encoder.py), the
+# conformance suite of every CUDA backend (scripts/gpu/conformance.sh), then the benchmark
+# (BENCH_ARGS are passed to it). Started by
 # scripts/gpu/verify.sh, which packs RUN_DIR; writes RUN_DIR/finished when done.
 set -u
 run_dir=${1:?usage: scripts/gpu/pipeline.sh RUN_DIR}
@@ -22,19 +23,28 @@ python3 scripts/gpu/prebuild.py --budget "${PREBUILD_BUDGET:-1000}" >"$run_dir/p
 step "prebuild rc=$?"
 tail -16 "$run_dir/prebuild.log"
 
-step "fused RoPE crossover"
-timeout 240 python3 scripts/gpu/rope_crossover.py "$run_dir/crossover" >"$run_dir/crossover.log" 2>&1
-step "crossover rc=$?"
-tail -16 "$run_dir/crossover.log"
+step "GPU tests: forward allocates and syncs nothing, RoPE kernel, graph mode on a whole encoder"
+timeout "${GPU_TESTS_TIMEOUT:-360}" python3 -m pytest -q -p no:cacheprovider -o junit_family=xunit1 \
+    --junitxml="$run_dir/gpu-tests.xml" tests/gpu \
+    "tests/test_nvidia_backends.py::test_fake_signatures_match_real_flashinfer" \
+    >"$run_dir/gpu-tests.log" 2>&1
+step "gpu tests rc=$?"
+tail -5 "$run_dir/gpu-tests.log"
 
-step "conformance: flashinfer flashinfer-rope trt, GPU tests"
+step "graph mode timing on a whole encoder"
+timeout 240 python3 scripts/gpu/graph_encoder.py "$run_dir/graph_encoder.json" \
+    >"$run_dir/graph_encoder.log" 2>&1
+step "graph encoder rc=$?"
+tail -8 "$run_dir/graph_encoder.log"
+
+step "conformance: flashinfer flashinfer-rope trt torch-sdpa headwise"
 RUN_TIMEOUT=${RUN_TIMEOUT:-420} scripts/gpu/conformance.sh "$run_dir/conformance" \
-    flashinfer flashinfer-rope trt gpu-tests
+    flashinfer flashinfer-rope trt torch-sdpa headwise
 step "conformance done"
 
 step "benchmark"
-python3 -m attn_backends.bench --out "$run_dir/bench" --time-budget-s "${BENCH_BUDGET:-480}" \
-    --iters 50 --warmup 10 >"$run_dir/bench.log" 2>&1
+python3 -m attn_backends.bench --out "$run_dir/bench" ${BENCH_ARGS:-} \
+    >"$run_dir/bench.log" 2>&1
 step "bench rc=$?"
 tail -30 "$run_dir/bench.log"
 touch "$run_dir/finished"

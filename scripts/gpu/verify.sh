@@ -4,8 +4,10 @@
 #
 #     scripts/gpu/verify.sh OUT_DIR [WAIT_S]
 #
-# The first call starts scripts/gpu/pipeline.sh in its own session (results under
-# build/gpu-run/); every call then waits up to WAIT_S seconds (default 540) for it to finish,
+# The first call snapshots the checkout into build/gpu-tree (so files that change in the
+# checkout between calls cannot change a run half-way) and starts scripts/gpu/pipeline.sh from
+# there in its own session (results under build/gpu-run/); every call then waits up to WAIT_S
+# seconds (default 540) for it to finish,
 # prints its progress and packs build/gpu-run into OUT_DIR/run.tgz. Call it again, on the same
 # machine, until it prints "pipeline: finished". A finished pipeline is not started again; remove
 # build/gpu-run to start over.
@@ -22,8 +24,13 @@ if [ -f "$run_dir/finished" ]; then
 elif [ -f "$run_dir/pid" ] && kill -0 "$(cat "$run_dir/pid")" 2>/dev/null; then
     echo "pipeline: running since $(stat -c %y "$run_dir/pid")"
 else
-    setsid nohup bash scripts/gpu/pipeline.sh "$run_dir" >"$run_dir/pipeline.log" 2>&1 </dev/null &
-    echo $! >"$run_dir/pid"
+    tree=build/gpu-tree
+    rm -rf "$tree" && mkdir -p "$tree"
+    tar --exclude=./build --exclude=./.git -cf - . | tar -xf - -C "$tree"
+    abs_run=$(cd "$run_dir" && pwd)
+    (cd "$tree" && setsid nohup bash scripts/gpu/pipeline.sh "$abs_run" \
+        >"$abs_run/pipeline.log" 2>&1 </dev/null &
+        echo $! >"$abs_run/pid")
     echo "pipeline: started (pid $(cat "$run_dir/pid"))"
 fi
 
