@@ -11,6 +11,10 @@ from ._protocol import NoCachePrefill
 
 PROJECT_NAME = "attn_backends"
 ENTRY_POINT_GROUP = "attn_backends"
+BUILTIN_DISTRIBUTION = "attn-backends"
+"""This library's distribution (canonical name); its entry points into `BUILTIN_PACKAGE` are
+the built-in plugins, which load first and whose names no other plugin may take."""
+BUILTIN_PACKAGE = "attn_backends_builtin"
 PLUGIN_API_VERSION = "1.0"
 """Version of the plugin API (hook + protocol + contract). A plugin built for another major
 version is refused."""

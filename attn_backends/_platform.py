@@ -6,9 +6,13 @@ on a bare CPU machine.
 
 from __future__ import annotations
 
+import functools
 import importlib.metadata
 import importlib.util
 import re
+import sys
+import threading
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import Literal
 
@@ -71,29 +75,96 @@ class Platform:
         }
 
 
-def _library_version(import_name: str) -> str | None:
-    if importlib.util.find_spec(import_name) is None:
-        return None
-    dist = KNOWN_LIBRARIES.get(import_name, import_name)
+_required: set[str] = set()
+_required_lock = threading.Lock()
+
+
+def note_required_libraries(names: Iterable[str]) -> None:
+    """Add libraries a registered backend ``requires`` to those every `detect_platform` probes.
+
+    The registry calls this when a backend registers, so a third-party kernel library counts as
+    present wherever the platform is detected (selection, ``attn-backends list``, the
+    conformance suite), not only for the few libraries in `KNOWN_LIBRARIES`.
+    """
+    with _required_lock:
+        _required.update(names)
+
+
+def _present(import_name: str) -> bool:
+    """Whether ``import_name`` can be imported, without importing it.
+
+    For a dotted name only the top-level package is looked up: finding ``pkg.sub`` would import
+    ``pkg``, and probing must never run a library's code. A finder that raises means absent.
+    """
+    top = import_name.partition(".")[0]
+    if top in sys.modules:
+        return sys.modules[top] is not None
     try:
+        return importlib.util.find_spec(top) is not None
+    except Exception:  # a broken meta-path finder or package; probing must not fail
+        return False
+
+
+@functools.cache
+def _distribution_of(top: str) -> str:
+    """The distribution that installs the top-level package ``top`` (first one), else ``top``.
+
+    Used for libraries outside `KNOWN_LIBRARIES`, whose distribution names are not known in
+    advance; cached, since it reads every installed distribution's file list once.
+    """
+    try:
+        found = importlib.metadata.packages_distributions().get(top)
+    except Exception:  # unreadable metadata of some unrelated distribution
+        return top
+    return found[0] if found else top
+
+
+@functools.lru_cache(maxsize=256)
+def _installed_version(import_name: str) -> str:
+    top = import_name.partition(".")[0]
+    dist = KNOWN_LIBRARIES.get(top)
+    try:
+        if dist is None:
+            try:
+                return importlib.metadata.version(top)
+            except importlib.metadata.PackageNotFoundError:
+                dist = _distribution_of(top)
         return importlib.metadata.version(dist)
-    except importlib.metadata.PackageNotFoundError:
+    except Exception:  # not found, or malformed metadata: present, version unknown
         return "unknown"
 
 
+def _library_version(import_name: str) -> str | None:
+    """Installed version of a library, ``None`` when absent, ``"unknown"`` without metadata.
+
+    Presence is checked on every call (cheap, and a test may install a module meanwhile); the
+    version, read from package metadata, is cached.
+    """
+    return _installed_version(import_name) if _present(import_name) else None
+
+
 def probe_libraries(
-    names: tuple[str, ...] = tuple(KNOWN_LIBRARIES),
+    names: Iterable[str] = tuple(KNOWN_LIBRARIES),
 ) -> tuple[tuple[str, str | None], ...]:
     """Versions of the given optional libraries without importing them."""
-    return tuple(sorted((name, _library_version(name)) for name in names))
+    return tuple(sorted((name, _library_version(name)) for name in set(names)))
 
 
-def detect_platform(device: torch.device | str | None = None) -> Platform:
-    """The platform of ``device``; ``None`` means the current accelerator, else the CPU."""
+def detect_platform(
+    device: torch.device | str | None = None, *, extra_libraries: Iterable[str] = ()
+) -> Platform:
+    """The platform of ``device``; ``None`` means the current accelerator, else the CPU.
+
+    The libraries probed are `KNOWN_LIBRARIES`, those registered backends require (see
+    `note_required_libraries`) and ``extra_libraries`` (the selector passes its registry's), so
+    a third-party kernel library counts as present when it is installed.
+    """
     if device is None:
         device = "cuda" if torch.cuda.is_available() else "cpu"
     dev = torch.device(device)
-    libraries = probe_libraries()
+    with _required_lock:
+        required = tuple(_required)
+    libraries = probe_libraries((*KNOWN_LIBRARIES, *required, *extra_libraries))
     if dev.type != "cuda":
         return Platform(kind="cpu", device_name=None, libraries=libraries)
     props = torch.cuda.get_device_properties(dev)

@@ -1,9 +1,11 @@
 """Loads backend plugins from the entry-point group and keeps every failure on record.
 
-pluggy registers and validates the plugins; this module adds what pluggy does not do: each
-plugin is imported, validated and called on its own, so one broken plugin is recorded with its
-error and never stops the others. The environment's allow and block lists
-(`PluginPolicy`) decide which plugins are imported at all.
+pluggy validates each plugin against the hook specification; this module adds what pluggy does
+not do. Each plugin's code (import, hook, the ``name`` and ``capabilities`` of its backends)
+runs on its own through `call_plugin_code`: bounded in time, with anything it raises or a call
+back into the registry recorded against that plugin alone. Declarations are read and checked
+once, here, so the selector never meets a malformed one. The built-in plugins load first and
+their names are reserved, so no installed distribution can stand in for them.
 """
 
 from __future__ import annotations
@@ -11,78 +13,55 @@ from __future__ import annotations
 import importlib.metadata
 import itertools
 import logging
-import os
+import re
 import threading
-from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Literal
 
 import pluggy
 
 from ._capabilities import Capabilities
-from ._hooks import ENTRY_POINT_GROUP, PLUGIN_API_VERSION, PROJECT_NAME, HookSpecs, PluginManifest
+from ._errors import PluginLoadError
+from ._hooks import (
+    BUILTIN_DISTRIBUTION,
+    BUILTIN_PACKAGE,
+    ENTRY_POINT_GROUP,
+    PLUGIN_API_VERSION,
+    PROJECT_NAME,
+    HookSpecs,
+    PluginManifest,
+)
+from ._isolation import (
+    PLUGIN_TIMEOUT_ENV,
+    call_plugin_code,
+    check_timeout,
+    describe_exception,
+    refuse_reentry,
+    timeout_from_env,
+)
+from ._platform import note_required_libraries
+from ._policy import DISABLE_ENV, PLUGINS_ENV, PluginPolicy
 from ._protocol import NoCachePrefill
+from ._validation import capability_problems, name_problem
+
+__all__ = [
+    "DISABLE_ENV",
+    "PLUGINS_ENV",
+    "PLUGIN_TIMEOUT_ENV",
+    "BackendEntry",
+    "PluginPolicy",
+    "PluginRecord",
+    "PluginStatus",
+    "Registry",
+    "RegistrySnapshot",
+    "get_registry",
+    "reset_registry",
+]
 
 logger = logging.getLogger("attn_backends")
 
-PLUGINS_ENV = "ATTN_BACKENDS_PLUGINS"
-"""Comma list of plugin (entry-point) names allowed to load; unset or blank means all."""
-DISABLE_ENV = "ATTN_BACKENDS_DISABLE"
-"""Comma list of plugin or backend names switched off."""
-
 PluginStatus = Literal["loaded", "failed", "incompatible", "disabled"]
-
-
-def _names(text: str) -> frozenset[str]:
-    return frozenset(name.strip() for name in text.split(",") if name.strip())
-
-
-@dataclass(frozen=True)
-class PluginPolicy:
-    """Which plugins may load and which plugins or backends are off, read from the environment.
-
-    The registry applies it when importing entry points (a plugin that is not allowed is never
-    imported); the selector applies it again on every decision, so a backend switched off after
-    loading is still refused, with a `ReasonCode.DISABLED` reason in the record.
-    """
-
-    allow: frozenset[str] | None = None
-    """Plugin names allowed to load (``$ATTN_BACKENDS_PLUGINS``); ``None`` means all."""
-    disable: frozenset[str] = frozenset()
-    """Plugin or backend names switched off (``$ATTN_BACKENDS_DISABLE``)."""
-
-    @classmethod
-    def from_env(cls, environ: Mapping[str, str] | None = None) -> PluginPolicy:
-        env = os.environ if environ is None else environ
-        allow_text = env.get(PLUGINS_ENV, "")
-        allow = _names(allow_text) if allow_text.strip() else None
-        return cls(allow, _names(env.get(DISABLE_ENV, "")))
-
-    def plugin_refusal(self, plugin: str) -> str | None:
-        """Why the plugin may not load, or None."""
-        if plugin in self.disable:
-            return f"plugin {plugin!r} is listed in ${DISABLE_ENV}"
-        if self.allow is not None and plugin not in self.allow:
-            allowed = ",".join(sorted(self.allow))
-            return f"plugin {plugin!r} is not in ${PLUGINS_ENV}={allowed}"
-        return None
-
-    def backend_refusal(self, backend: str, plugin: str) -> str | None:
-        """Why the backend may not be selected, or None."""
-        if backend in self.disable:
-            return f"backend {backend!r} is listed in ${DISABLE_ENV}"
-        return self.plugin_refusal(plugin)
-
-    def to_dict(self) -> dict[str, object]:
-        return {
-            PLUGINS_ENV: sorted(self.allow) if self.allow is not None else None,
-            DISABLE_ENV: sorted(self.disable),
-        }
-
-    def describe(self) -> str:
-        allow = ",".join(sorted(self.allow)) if self.allow is not None else "(all)"
-        disable = ",".join(sorted(self.disable)) or "(none)"
-        return f"${PLUGINS_ENV}={allow}; ${DISABLE_ENV}={disable}"
+IN_PROCESS = "in process"
 
 
 @dataclass(frozen=True)
@@ -111,11 +90,21 @@ class PluginRecord:
 
 @dataclass(frozen=True)
 class BackendEntry:
-    """A registered backend and the plugin it came from; ``order`` breaks priority ties."""
+    """A registered backend, with its name and capabilities as read (once) at registration.
 
+    The selector uses ``name`` and ``capabilities`` from here, never the backend's properties
+    again, so a backend cannot rename itself or change its declarations after the checks.
+    """
+
+    name: str
     backend: NoCachePrefill
+    capabilities: Capabilities
     plugin: str
     order: int
+    """Registration order; breaks priority ties."""
+    origin: str = IN_PROCESS
+    """Distribution and version the plugin came from (``attn-backends 0.1.0``), or in process."""
+    builtin: bool = False
 
 
 @dataclass(frozen=True)
@@ -126,13 +115,131 @@ class RegistrySnapshot:
     entries: tuple[BackendEntry, ...]
     records: tuple[PluginRecord, ...]
 
+    def required_libraries(self) -> tuple[str, ...]:
+        """Every library some registered backend ``requires``; the platform probes these."""
+        return tuple(sorted({lib for e in self.entries for lib in e.capabilities.requires}))
+
 
 def _major(version: str) -> str:
     return version.split(".", 1)[0]
 
 
-def _short_error(exc: BaseException) -> str:
-    return f"{type(exc).__name__}: {exc}"
+def _canonical(dist: str) -> str:
+    return re.sub(r"[-_.]+", "-", dist).lower()
+
+
+def _is_builtin(ep: importlib.metadata.EntryPoint) -> bool:
+    """Shipped by this library: its own distribution, pointing into its built-in package."""
+    if ep.dist is None or _canonical(ep.dist.name) != BUILTIN_DISTRIBUTION:
+        return False
+    return ep.module == BUILTIN_PACKAGE or ep.module.startswith(BUILTIN_PACKAGE + ".")
+
+
+@dataclass(frozen=True)
+class _Offer:
+    """One backend a plugin offered, with what was read from it once, already checked."""
+
+    name: str
+    backend: NoCachePrefill
+    capabilities: Capabilities
+
+
+@dataclass(frozen=True)
+class _Inspection:
+    """What a plugin's hook gave, as judged in the plugin thread."""
+
+    status: PluginStatus
+    offers: tuple[_Offer, ...] = ()
+    problems: tuple[str, ...] = ()
+
+
+def _offer(backend: object) -> _Offer | str:
+    """Read one offered backend's name and capabilities once and check them (plugin thread)."""
+    kind = type(backend).__name__
+    try:
+        if not isinstance(backend, NoCachePrefill):
+            return f"{kind} does not implement NoCachePrefill"
+        name: object = backend.name
+        caps: object = backend.capabilities
+    except Exception as exc:
+        return f"{kind} raised while being inspected: {describe_exception(exc)}"
+    problem = name_problem(name)
+    if problem is not None:
+        return f"{kind}.{problem}"
+    problems = capability_problems(caps)
+    if problems or not isinstance(name, str) or not isinstance(caps, Capabilities):
+        return f"backend {name!r} ({kind}) refused: " + "; ".join(problems)
+    return _Offer(name, backend, caps)
+
+
+def _inspect(plugin: object, name: str) -> _Inspection:
+    """Validate the plugin with a private pluggy manager, call its hook, check the manifest.
+
+    Runs in the plugin thread: it touches no shared state, so a plugin that hangs here and
+    finishes later changes nothing.
+    """
+    pm = pluggy.PluginManager(PROJECT_NAME)
+    pm.add_hookspecs(HookSpecs)
+    try:
+        pm.register(plugin, name=name)
+        pm.check_pending()
+    except Exception as exc:
+        return _Inspection("failed", problems=(describe_exception(exc),))
+    impls = [i for i in pm.hook.attn_backends_register.get_hookimpls() if i.plugin is plugin]
+    if not impls:
+        return _Inspection(
+            "failed",
+            problems=(
+                "no attn_backends_register hook implementation found "
+                "(decorate it with attn_backends.hookimpl)",
+            ),
+        )
+    impl = impls[0]
+    args = {"host_api_version": PLUGIN_API_VERSION}
+    try:
+        manifest = impl.function(**{a: args[a] for a in impl.argnames})
+    except KeyboardInterrupt:
+        raise
+    except BaseException as exc:  # a plugin may raise anything; it is recorded
+        return _Inspection("failed", problems=(f"hook raised {describe_exception(exc)}",))
+    if not isinstance(manifest, PluginManifest):
+        return _Inspection(
+            "failed", problems=(f"hook returned {type(manifest).__name__}, not a PluginManifest",)
+        )
+    if not isinstance(manifest.api_version, str):
+        return _Inspection(
+            "failed", problems=(f"api_version must be a str such as {PLUGIN_API_VERSION!r}",)
+        )
+    if _major(manifest.api_version) != _major(PLUGIN_API_VERSION):
+        return _Inspection(
+            "incompatible",
+            problems=(
+                f"built for plugin API {manifest.api_version}, this host speaks "
+                f"{PLUGIN_API_VERSION} (major versions differ)",
+            ),
+        )
+    try:
+        offered = list(manifest.backends)
+    except Exception as exc:
+        return _Inspection(
+            "failed",
+            problems=(f"manifest.backends is not a sequence: {describe_exception(exc)}",),
+        )
+    judged = [_offer(backend) for backend in offered]
+    offers = tuple(o for o in judged if isinstance(o, _Offer))
+    problems = tuple(o for o in judged if isinstance(o, str))
+    return _Inspection("loaded", offers, problems)
+
+
+@dataclass(frozen=True)
+class _State:
+    """A copy of a registry's contents, to undo an interrupted load."""
+
+    entries: dict[str, BackendEntry]
+    records: list[PluginRecord]
+    plugins: dict[str, object]
+    reserved: set[str]
+    next_order: int
 
 
 _serials = itertools.count()
@@ -143,150 +250,205 @@ class Registry:
     """All backends known to this process. Thread-safe; ``generation`` changes on every edit.
 
     ``serial`` identifies the registry for the selection cache (an ``id()`` can be reused).
+    ``plugin_timeout`` bounds each step of loading one plugin, in seconds (``None``:
+    ``$ATTN_BACKENDS_PLUGIN_TIMEOUT``, else 10).
     """
 
-    _pm: pluggy.PluginManager = field(init=False)
+    plugin_timeout: float | None = None
     _entries: dict[str, BackendEntry] = field(default_factory=dict, init=False)
     _records: list[PluginRecord] = field(default_factory=list, init=False)
+    _plugins: dict[str, object] = field(default_factory=dict, init=False)
+    """Loaded plugins by name, to refuse the same name or object twice."""
+    _reserved: set[str] = field(default_factory=set, init=False)
+    """Names kept for built-in plugins (their entry-point names), even when they did not load."""
+    _next_order: int = field(default=0, init=False)
     _lock: threading.RLock = field(default_factory=threading.RLock, init=False)
     generation: int = field(default=0, init=False)
     serial: int = field(default_factory=lambda: next(_serials), init=False)
 
     def __post_init__(self) -> None:
-        self._pm = pluggy.PluginManager(PROJECT_NAME)
-        self._pm.add_hookspecs(HookSpecs)
+        if self.plugin_timeout is not None:
+            self.plugin_timeout = check_timeout(self.plugin_timeout)
+
+    def _timeout(self) -> float:
+        return self.plugin_timeout if self.plugin_timeout is not None else timeout_from_env()
 
     def load_entry_points(
         self, group: str = ENTRY_POINT_GROUP, *, policy: PluginPolicy | None = None
     ) -> list[PluginRecord]:
         """Import and register every plugin of the entry-point group, one at a time.
 
-        ``policy`` defaults to `PluginPolicy.from_env`; a plugin it refuses is recorded as
-        ``disabled`` and never imported. Returns the records of this call.
+        Built-in plugins load first, whatever their names, and keep their names. ``policy``
+        defaults to `PluginPolicy.from_env`; a plugin it refuses is recorded as ``disabled`` and
+        never imported. Returns the records of this call. A `KeyboardInterrupt` raised while a
+        plugin loads undoes this call and propagates: the registry is as it was, and loading
+        can be tried again.
         """
+        refuse_reentry("Registry.load_entry_points()")
         rules = PluginPolicy.from_env() if policy is None else policy
         eps = sorted(
             importlib.metadata.entry_points(group=group),
-            key=lambda ep: (ep.dist.name if ep.dist is not None else "", ep.name),
+            key=lambda ep: (
+                not _is_builtin(ep),
+                ep.dist.name if ep.dist is not None else "",
+                ep.name,
+            ),
         )
-        out: list[PluginRecord] = []
+        timeout = self._timeout()
         with self._lock:
-            for ep in eps:
-                dist = f"{ep.dist.name} {ep.dist.version}" if ep.dist is not None else "unknown"
-                source = f"entry point {ep.name} = {ep.value} ({dist})"
-                refusal = rules.plugin_refusal(ep.name)
-                if refusal is not None:
-                    out.append(
-                        self._record(PluginRecord(ep.name, source, "disabled", error=refusal))
-                    )
-                    continue
-                try:
-                    plugin = ep.load()
-                except (Exception, SystemExit) as exc:
-                    logger.warning("backend plugin %s failed to import: %s", ep.name, exc)
-                    error = f"import failed: {_short_error(exc)}"
-                    out.append(self._record(PluginRecord(ep.name, source, "failed", error=error)))
-                    continue
-                out.append(self.register_plugin(plugin, name=ep.name, source=source))
+            saved = self._saved()
+            try:
+                return self._load_all(eps, rules, timeout)
+            except KeyboardInterrupt:
+                self._restore(saved)
+                raise
+
+    def _load_all(
+        self,
+        eps: list[importlib.metadata.EntryPoint],
+        rules: PluginPolicy,
+        timeout: float,
+    ) -> list[PluginRecord]:
+        self._reserved.update(ep.name for ep in eps if _is_builtin(ep))
+        out: list[PluginRecord] = []
+        for ep in eps:
+            builtin = _is_builtin(ep)
+            origin = f"{ep.dist.name} {ep.dist.version}" if ep.dist is not None else "unknown"
+            source = f"entry point {ep.name} = {ep.value} ({origin})"
+            refusal = rules.plugin_refusal(ep.name)
+            if refusal is not None:
+                out.append(self._record(PluginRecord(ep.name, source, "disabled", error=refusal)))
+                continue
+            try:
+                plugin = call_plugin_code(ep.load, timeout=timeout, what=f"import of {ep.value}")
+            except PluginLoadError as exc:
+                logger.warning("backend plugin %s failed to import: %s", ep.name, exc)
+                error = f"import failed: {exc}"
+                out.append(self._record(PluginRecord(ep.name, source, "failed", error=error)))
+                continue
+            out.append(self._register(plugin, ep.name, source, origin, builtin, timeout))
         return out
 
+    def _saved(self) -> _State:
+        return _State(
+            dict(self._entries),
+            list(self._records),
+            dict(self._plugins),
+            set(self._reserved),
+            self._next_order,
+        )
+
+    def _restore(self, state: _State) -> None:
+        self._entries = dict(state.entries)
+        self._records = list(state.records)
+        self._plugins = dict(state.plugins)
+        self._reserved = set(state.reserved)
+        self._next_order = state.next_order
+        self.generation += 1
+
     def register_plugin(
-        self, plugin: object, *, name: str, source: str = "in process"
+        self, plugin: object, *, name: str, source: str = IN_PROCESS
     ) -> PluginRecord:
         """Register one plugin object (a module or an instance with the hook) in isolation."""
+        refuse_reentry("Registry.register_plugin()")
         with self._lock:
-            if self._pm.has_plugin(name) or self._pm.is_registered(plugin):
-                return self._record(
-                    PluginRecord(
-                        name,
-                        source,
-                        "failed",
-                        error=f"a plugin named {name!r} or this same plugin object is "
-                        "already registered",
-                    )
-                )
-            try:
-                self._pm.register(plugin, name=name)
-                self._pm.check_pending()
-            except Exception as exc:
-                if self._pm.is_registered(plugin):
-                    self._pm.unregister(plugin)
-                return self._record(PluginRecord(name, source, "failed", error=_short_error(exc)))
-            impls = [
-                i
-                for i in self._pm.hook.attn_backends_register.get_hookimpls()
-                if i.plugin is plugin
-            ]
-            if not impls:
-                self._pm.unregister(plugin)
-                return self._record(
-                    PluginRecord(
-                        name,
-                        source,
-                        "failed",
-                        error="no attn_backends_register hook implementation found "
-                        "(decorate it with attn_backends.hookimpl)",
-                    )
-                )
-            status, backends, error = self._call_hook(impls[0], name)
-            if status != "loaded":
-                self._pm.unregister(plugin)
-                logger.warning("backend plugin %s %s: %s", name, status, error)
-            return self._record(PluginRecord(name, source, status, backends, error))
+            return self._register(plugin, name, source, IN_PROCESS, False, self._timeout())
 
-    def _call_hook(
-        self, impl: pluggy.HookImpl, name: str
-    ) -> tuple[PluginStatus, tuple[str, ...], str | None]:
-        """Call one hook implementation and register what it offers; never raises."""
-        args = {"host_api_version": PLUGIN_API_VERSION}
-        try:
-            manifest = impl.function(**{a: args[a] for a in impl.argnames})
-        except (Exception, SystemExit) as exc:
-            return "failed", (), f"hook raised {_short_error(exc)}"
-        if not isinstance(manifest, PluginManifest):
-            return "failed", (), f"hook returned {type(manifest).__name__}, not a PluginManifest"
-        if not isinstance(manifest.api_version, str):
-            return "failed", (), f"api_version must be a str such as {PLUGIN_API_VERSION!r}"
-        if _major(manifest.api_version) != _major(PLUGIN_API_VERSION):
-            return (
-                "incompatible",
-                (),
-                f"built for plugin API {manifest.api_version}, this host speaks "
-                f"{PLUGIN_API_VERSION} (major versions differ)",
+    def _register(
+        self,
+        plugin: object,
+        name: str,
+        source: str,
+        origin: str,
+        builtin: bool,
+        timeout: float,
+    ) -> PluginRecord:
+        if name in self._plugins or any(p is plugin for p in self._plugins.values()):
+            return self._record(
+                PluginRecord(
+                    name,
+                    source,
+                    "failed",
+                    error=f"a plugin named {name!r} or this same plugin object is "
+                    "already registered",
+                )
             )
         try:
-            offered = list(manifest.backends)
-        except Exception as exc:
-            return "failed", (), f"manifest.backends is not a sequence: {_short_error(exc)}"
+            found = call_plugin_code(
+                lambda: _inspect(plugin, name), timeout=timeout, what=f"hook of plugin {name}"
+            )
+        except PluginLoadError as exc:
+            found = _Inspection("failed", problems=(str(exc),))
         added: list[str] = []
-        problems: list[str] = []
-        for backend in offered:
-            ok, text = self._add_backend(backend, name)
-            (added if ok else problems).append(text)
-        if problems and not added:
-            return "failed", (), "; ".join(problems)
-        return "loaded", tuple(added), "; ".join(problems) or None
+        problems = list(found.problems)
+        for offer in found.offers:
+            refusal = self._claim_name(offer.name, builtin, origin)
+            if refusal is not None:
+                problems.append(refusal)
+                continue
+            self._entries[offer.name] = BackendEntry(
+                offer.name,
+                offer.backend,
+                offer.capabilities,
+                name,
+                self._next_order,
+                origin,
+                builtin,
+            )
+            self._next_order += 1
+            note_required_libraries(offer.capabilities.requires)
+            added.append(offer.name)
+            self.generation += 1
+        status = found.status
+        if status == "loaded" and problems and not added:
+            status = "failed"
+        if status == "loaded":
+            self._plugins[name] = plugin
+        else:
+            logger.warning("backend plugin %s %s: %s", name, status, "; ".join(problems))
+        error = "; ".join(problems) or None
+        return self._record(PluginRecord(name, source, status, tuple(added), error))
 
-    def _add_backend(self, backend: object, plugin: str) -> tuple[bool, str]:
-        """Register one offered backend: ``(True, name)``, or ``(False, why it was refused)``."""
-        kind = type(backend).__name__
-        try:
-            if not isinstance(backend, NoCachePrefill):
-                return False, f"{kind} does not implement NoCachePrefill"
-            name = backend.name
-            caps = backend.capabilities
-        except Exception as exc:
-            return False, f"{kind} raised while being inspected: {_short_error(exc)}"
-        if not isinstance(name, str) or not name.strip():
-            return False, f"{kind}.name must be a non-empty str, got {name!r}"
-        if not isinstance(caps, Capabilities):
-            return False, f"{kind}.capabilities must be a Capabilities, not {type(caps).__name__}"
+    def _claim_name(self, name: str, builtin: bool, origin: str) -> str | None:
+        """Why a backend may not take ``name`` (taken, or kept for a built-in), else None.
+
+        A built-in backend always gets its name: one registered earlier in process under it is
+        removed, and its plugin's record says so.
+        """
         taken = self._entries.get(name)
+        if taken is not None and builtin and not taken.builtin:
+            self._evict(taken, origin)
+            return None
         if taken is not None:
-            return False, f"backend name {name!r} is taken by plugin {taken.plugin}"
-        self._entries[name] = BackendEntry(backend, plugin, len(self._entries))
+            return (
+                f"backend name {name!r} is taken by plugin {taken.plugin} ({taken.origin}); "
+                f"the backend offered by {origin} needs another name"
+            )
+        if name in self._reserved and not builtin:
+            return (
+                f"backend name {name!r} is kept for the built-in plugin {name} "
+                f"({BUILTIN_DISTRIBUTION}); the backend offered by {origin} needs another name"
+            )
+        return None
+
+    def _evict(self, entry: BackendEntry, builtin_origin: str) -> None:
+        del self._entries[entry.name]
         self.generation += 1
-        return True, name
+        note = (
+            f"backend {entry.name!r} removed: the name belongs to a built-in backend "
+            f"({builtin_origin})"
+        )
+        logger.warning("backend plugin %s: %s", entry.plugin, note)
+        for i in range(len(self._records) - 1, -1, -1):
+            rec = self._records[i]
+            if rec.name == entry.plugin and rec.status == "loaded":
+                left = tuple(b for b in rec.backends if b != entry.name)
+                error = "; ".join(e for e in (rec.error, note) if e)
+                status: PluginStatus = "loaded" if left else "failed"
+                if not left:
+                    self._plugins.pop(entry.plugin, None)
+                self._records[i] = PluginRecord(rec.name, rec.source, status, left, error)
+                return
 
     def _record(self, record: PluginRecord) -> PluginRecord:
         with self._lock:
@@ -295,18 +457,26 @@ class Registry:
         return record
 
     def entries(self) -> list[BackendEntry]:
+        refuse_reentry("Registry.entries()")
         with self._lock:
             return sorted(self._entries.values(), key=lambda e: e.order)
 
     def records(self) -> list[PluginRecord]:
+        refuse_reentry("Registry.records()")
         with self._lock:
             return list(self._records)
 
     def snapshot(self) -> RegistrySnapshot:
+        refuse_reentry("Registry.snapshot()")
         with self._lock:
             return RegistrySnapshot(self.generation, tuple(self.entries()), tuple(self._records))
 
+    def required_libraries(self) -> tuple[str, ...]:
+        """Every library a registered backend ``requires``: pass these to `detect_platform`."""
+        return self.snapshot().required_libraries()
+
     def get(self, name: str) -> BackendEntry | None:
+        refuse_reentry("Registry.get()")
         with self._lock:
             return self._entries.get(name)
 
@@ -316,7 +486,13 @@ _default_lock = threading.Lock()
 
 
 def get_registry() -> Registry:
-    """The process-wide registry, loaded from entry points on first use."""
+    """The process-wide registry, loaded from entry points on first use.
+
+    A plugin calling it while it loads gets `ReentrantRegistryError` (recorded against that
+    plugin). If loading is interrupted (`KeyboardInterrupt`), no registry is kept and the next
+    call loads again.
+    """
+    refuse_reentry("get_registry()")
     global _default
     with _default_lock:
         if _default is None:
@@ -332,6 +508,7 @@ def reset_registry(registry: Registry | None = None) -> None:
     ``None`` makes the next `get_registry` load the entry points again, under the environment
     of that moment.
     """
+    refuse_reentry("reset_registry()")
     global _default
     with _default_lock:
         _default = registry

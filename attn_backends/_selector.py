@@ -2,26 +2,29 @@
 
 from __future__ import annotations
 
+import functools
 import json
 import logging
 import os
 import threading
+from collections import OrderedDict
 from dataclasses import dataclass, field
 from typing import Literal
 
 import torch
 
 from ._canary import CANARY_OFF, CanaryResult, run_canary
+from ._capabilities import Capabilities
 from ._dtypes import dtype_name
-from ._errors import NoBackendError, PlatformError, SpecError
+from ._errors import InvalidArgumentError, NoBackendError, PlatformError, SpecError
 from ._flags import derive_need_rope_kv_cache
+from ._isolation import refuse_reentry
 from ._platform import Platform, detect_platform, parse_platform
+from ._policy import DISABLE_ENV, PLUGINS_ENV, PluginPolicy
 from ._protocol import NoCachePrefill
 from ._reasons import Reason, ReasonCode
 from ._registry import (
-    DISABLE_ENV,
     BackendEntry,
-    PluginPolicy,
     PluginRecord,
     Registry,
     RegistrySnapshot,
@@ -71,6 +74,8 @@ class Selection:
     """The decision record: the winner, bound to the spec, and how it was chosen."""
 
     backend: NoCachePrefill
+    name: str
+    """The winner's name as registered (its bound instance was checked to carry it)."""
     spec: AttentionSpec
     platform: Platform
     has_kv_cache: bool
@@ -85,10 +90,8 @@ class Selection:
     strict: bool = False
     canary: CanaryResult = CANARY_OFF
     """The strict-mode canary of the winner (``off`` unless strict)."""
-
-    @property
-    def name(self) -> str:
-        return self.backend.name
+    policy_unmatched: tuple[str, ...] = ()
+    """Names in the allow/block lists that match no plugin or registered backend (typos)."""
 
     def fingerprint(self) -> str:
         """Stable text identifying the decision; equal on ranks that chose alike."""
@@ -108,6 +111,7 @@ class Selection:
             "need_rope_kv_cache_given": self.flag_given,
             "details": dict(self.details),
             "policy": self.policy.to_dict(),
+            "policy_unmatched": list(self.policy_unmatched),
             "strict": self.strict,
             "canary": self.canary.to_dict(),
             "candidates": [c.to_dict() for c in self.candidates],
@@ -123,7 +127,12 @@ class Selection:
             + (" (dry run: library checks assumed to pass)" if self.platform.assumed else ""),
             f"kv cache: {'present' if self.has_kv_cache else 'none'}; need_rope_kv_cache="
             f"{self.need_rope_kv_cache} ({'given' if self.flag_given is not None else 'derived'})",
-            f"plugin policy: {self.policy.describe()}",
+            f"plugin policy: {self.policy.describe()}"
+            + (
+                f" (matching no plugin or backend: {', '.join(self.policy_unmatched)})"
+                if self.policy_unmatched
+                else ""
+            ),
             f"strict: on; {self.canary.detail}" if self.strict else "strict: off",
         ]
         if self.details:
@@ -192,7 +201,7 @@ class _Judged:
 
     @property
     def name(self) -> str:
-        return self.entry.backend.name
+        return self.entry.name
 
 
 def _short_error(exc: BaseException) -> str:
@@ -215,12 +224,34 @@ def _supports(backend: NoCachePrefill, spec: AttentionSpec, platform: Platform) 
     return found
 
 
+def _ranking(caps: Capabilities, req: _Request) -> tuple[int, str] | Reason | None:
+    """Score and description of the matching priority rule (None: no rule matches), or a
+    reason when the rules cannot be evaluated.
+
+    Rules were checked at registration; this guards against a declaration changed since (a
+    frozen dataclass can still be forced), so one bad backend never breaks `select`.
+    """
+    try:
+        rule = caps.priority_for(req.spec, req.platform)
+        if rule is None:
+            return None
+        score: object = rule.score
+        if not isinstance(score, int) or isinstance(score, bool):
+            raise TypeError(f"score {score!r} is not an int")
+        return score, rule.describe()
+    except Exception as exc:
+        return Reason(
+            ReasonCode.BACKEND_SPECIFIC,
+            f"priority rules could not be evaluated: {_short_error(exc)}",
+        )
+
+
 def _judge(entry: BackendEntry, req: _Request) -> _Judged:
-    backend = entry.backend
-    refusal = req.policy.backend_refusal(backend.name, entry.plugin)
+    refusal = req.policy.backend_refusal(entry.name, entry.plugin)
     if refusal is not None:
         reason = Reason(ReasonCode.DISABLED, refusal, DISABLE_ENV)
         return _Judged(entry, [reason], None, None)
+    caps = entry.capabilities
     reasons: list[Reason] = []
     if req.has_kv_cache:
         reasons.append(
@@ -232,7 +263,7 @@ def _judge(entry: BackendEntry, req: _Request) -> _Judged:
                 "False",
             )
         )
-    if req.cuda_graph and not backend.capabilities.cuda_graph:
+    if req.cuda_graph and not caps.cuda_graph:
         reasons.append(
             Reason(
                 ReasonCode.CUDA_GRAPH,
@@ -242,15 +273,21 @@ def _judge(entry: BackendEntry, req: _Request) -> _Judged:
                 "False",
             )
         )
-    reasons.extend(_supports(backend, req.spec, req.platform))
-    rule = backend.capabilities.priority_for(req.spec, req.platform)
-    if rule is None:
+    reasons.extend(_supports(entry.backend, req.spec, req.platform))
+    ranking = _ranking(caps, req)
+    if isinstance(ranking, Reason):
+        return _Judged(entry, [*reasons, ranking], None, None)
+    if ranking is None:
         return _Judged(entry, reasons, None, None)
-    return _Judged(entry, reasons, rule.score, rule.describe())
+    score, described = ranking
+    return _Judged(entry, reasons, score, described)
 
 
 _Key = tuple[_Request, int, int]
-_cache: dict[_Key, Selection] = {}
+SELECTION_CACHE_SIZE = 256
+"""Decisions kept, least recently used dropped first: an engine asks a handful of distinct
+questions, but a long-lived process that builds specs on the fly must not grow forever."""
+_cache: OrderedDict[_Key, Selection] = OrderedDict()
 _cache_lock = threading.Lock()
 _deciding: dict[_Key, threading.Lock] = {}
 """One lock per request being decided: threads asking the same thing at once wait for the first
@@ -260,6 +297,33 @@ and share its result (a strict canary runs once, not once per thread); other req
 def clear_selection_cache() -> None:
     with _cache_lock:
         _cache.clear()
+
+
+def _cached(key: _Key) -> Selection | None:
+    """The cached decision, marked as just used; call under ``_cache_lock``."""
+    found = _cache.get(key)
+    if found is not None:
+        _cache.move_to_end(key)
+    return found
+
+
+def _remember(key: _Key, selection: Selection) -> None:
+    """Cache a decision, dropping the least recently used beyond the bound."""
+    with _cache_lock:
+        _cache[key] = selection
+        _cache.move_to_end(key)
+        while len(_cache) > SELECTION_CACHE_SIZE:
+            _cache.popitem(last=False)
+
+
+def _require_bool(name: str, value: object, *, optional: bool = False) -> None:
+    """A flag must be a real bool: ``'False'`` is truthy, and would silently mean True."""
+    if isinstance(value, bool) or (optional and value is None):
+        return
+    allowed = "True, False or None" if optional else "True or False"
+    raise InvalidArgumentError(
+        f"select({name}=...) takes {allowed}, got {type(value).__name__} {value!r}"
+    )
 
 
 def strict_from_env() -> bool:
@@ -272,7 +336,12 @@ def strict_from_env() -> bool:
     return True
 
 
-def _platform_for(device: torch.device | str | None, platform: Platform | str | None) -> Platform:
+def _platform_for(
+    device: torch.device | str | None,
+    platform: Platform | str | None,
+    libraries: tuple[str, ...],
+) -> Platform:
+    """The platform to select for; a detected one has every library in ``libraries`` probed."""
     if isinstance(platform, str):
         return parse_platform(platform)
     if isinstance(platform, Platform):
@@ -284,7 +353,7 @@ def _platform_for(device: torch.device | str | None, platform: Platform | str | 
         )
     dev = _device(device)
     try:
-        return detect_platform(dev)
+        return detect_platform(dev, extra_libraries=libraries)
     except (RuntimeError, AssertionError) as exc:
         raise PlatformError(f"cannot inspect device {dev}: {exc}") from None
 
@@ -340,12 +409,23 @@ def select(
     With ``cuda_graph=True`` only backends that can serve graph mode (``capabilities.
     cuda_graph``: captured once per bucket, re-planned per batch) are candidates.
     """
+    refuse_reentry("select()")
     if not isinstance(spec, AttentionSpec):
         raise SpecError(f"select() takes an AttentionSpec, got {type(spec).__name__}")
     if backend is not None and not isinstance(backend, str):
         raise NoBackendError(f"backend= must be a backend name (str), got {type(backend).__name__}")
+    _require_bool("has_kv_cache", has_kv_cache)
+    _require_bool("need_rope_kv_cache", need_rope_kv_cache, optional=True)
+    _require_bool("strict", strict, optional=True)
+    _require_bool("cuda_graph", cuda_graph)
+    if registry is not None and not isinstance(registry, Registry):
+        raise InvalidArgumentError(
+            f"select(registry=...) takes a Registry or None, got {type(registry).__name__}"
+        )
     flag = derive_need_rope_kv_cache(spec, has_kv_cache, need_rope_kv_cache)
-    plat = _platform_for(device, platform)
+    reg = registry if registry is not None else get_registry()
+    snap = reg.snapshot()
+    plat = _platform_for(device, platform, snap.required_libraries())
     env_choice = os.environ.get(BACKEND_ENV, "").strip() or None
     explicit = backend if backend is not None else env_choice
     source: DecisionSource = (
@@ -355,7 +435,7 @@ def select(
         if env_choice is not None
         else "priority"
     )
-    on = strict_from_env() if strict is None else bool(strict)
+    on = strict_from_env() if strict is None else strict
     req = _Request(
         spec=spec,
         platform=plat,
@@ -367,25 +447,22 @@ def select(
         policy=PluginPolicy.from_env(),
         strict=on,
         canary_device=_canary_device(device, plat) if on and not plat.assumed else None,
-        cuda_graph=bool(cuda_graph),
+        cuda_graph=cuda_graph,
     )
-    reg = registry if registry is not None else get_registry()
-    snap = reg.snapshot()
     key = (req, reg.serial, snap.generation)
     with _cache_lock:
-        cached = _cache.get(key)
+        cached = _cached(key)
         if cached is not None:
             return cached
         decision_lock = _deciding.setdefault(key, threading.Lock())
     with decision_lock:
         with _cache_lock:
-            cached = _cache.get(key)
+            cached = _cached(key)
         if cached is not None:
             return cached
         try:
             selection = _decide(req, snap)
-            with _cache_lock:
-                _cache[key] = selection
+            _remember(key, selection)
         finally:
             with _cache_lock:
                 _deciding.pop(key, None)
@@ -402,11 +479,36 @@ def select(
 _Winner = tuple[NoCachePrefill, tuple[tuple[str, str], ...], CanaryResult]
 
 
+def _bind(entry: BackendEntry, spec: AttentionSpec) -> NoCachePrefill | Reason:
+    """``entry.backend.bind(spec)``, refused unless it is the same backend: same class, same
+    name (else the record, and the engine, would run something other than what was judged)."""
+    backend = entry.backend
+    try:
+        bound = backend.bind(spec)
+        kind = type(bound)
+        name: object = bound.name if kind is type(backend) else None
+    except Exception as exc:
+        return Reason(ReasonCode.BACKEND_SPECIFIC, f"bind() raised {_short_error(exc)}")
+    if kind is not type(backend):
+        return Reason(
+            ReasonCode.BACKEND_SPECIFIC,
+            f"bind() returned a {kind.__name__}, not a {type(backend).__name__}: a backend must "
+            "bind to an instance of its own class",
+        )
+    if name != entry.name:
+        return Reason(
+            ReasonCode.BACKEND_SPECIFIC,
+            f"bind() returned a backend named {name!r}, not {entry.name!r}",
+        )
+    return bound
+
+
 def _try_winner(judged: _Judged, req: _Request) -> _Winner | Reason:
     """Bind the candidate and, in strict mode, run its canary; a failure becomes a reason."""
-    backend = judged.entry.backend
+    bound = _bind(judged.entry, req.spec)
+    if isinstance(bound, Reason):
+        return bound
     try:
-        bound = backend.bind(req.spec)
         described = bound.describe(req.platform)
     except Exception as exc:
         return Reason(ReasonCode.BACKEND_SPECIFIC, f"bind()/describe() raised {_short_error(exc)}")
@@ -427,10 +529,9 @@ def _try_winner(judged: _Judged, req: _Request) -> _Winner | Reason:
                 f"canary skipped: {req.platform} is a dry-run platform, nothing to run on",
             ),
         )
-    try:
-        probe = backend.bind(req.spec)
-    except Exception as exc:
-        return Reason(ReasonCode.BACKEND_SPECIFIC, f"bind() raised {_short_error(exc)}")
+    probe = _bind(judged.entry, req.spec)
+    if isinstance(probe, Reason):
+        return probe
     result = run_canary(probe, req.spec, req.canary_device)
     if result.status == "failed":
         got = f"{result.relative_error:.3g}" if result.relative_error is not None else None
@@ -453,7 +554,7 @@ def _failure_lines(judged: list[_Judged]) -> list[str]:
 
 
 def _unknown(req: _Request, snap: RegistrySnapshot) -> NoBackendError:
-    known = ", ".join(e.backend.name for e in snap.entries) or "none registered"
+    known = ", ".join(e.name for e in snap.entries) or "none registered"
     where = "backend=" if req.source == "explicit" else f"${BACKEND_ENV}="
     text = f"unknown backend {where}{req.explicit!r}; known backends: {known}"
     unloaded = [p for p in snap.records if p.status != "loaded"]
@@ -464,7 +565,27 @@ def _unknown(req: _Request, snap: RegistrySnapshot) -> NoBackendError:
     return NoBackendError(text)
 
 
+@functools.lru_cache(maxsize=64)
+def _warn_unmatched(names: tuple[str, ...]) -> None:
+    """Warn once per process for each set of names that match nothing (a typo, most often)."""
+    logger.warning(
+        "$%s/$%s name %s, which match no plugin or registered backend (use plugin:NAME or "
+        "backend:NAME to say which is meant)",
+        PLUGINS_ENV,
+        DISABLE_ENV,
+        ", ".join(repr(n) for n in names),
+    )
+
+
+def _unmatched(req: _Request, snap: RegistrySnapshot) -> tuple[str, ...]:
+    names = req.policy.unmatched((r.name for r in snap.records), (e.name for e in snap.entries))
+    if names:
+        _warn_unmatched(names)
+    return names
+
+
 def _decide(req: _Request, snap: RegistrySnapshot) -> Selection:
+    unmatched = _unmatched(req, snap)
     judged = [_judge(entry, req) for entry in snap.entries]
     if req.explicit is not None:
         match = next((j for j in judged if j.name == req.explicit), None)
@@ -510,6 +631,7 @@ def _decide(req: _Request, snap: RegistrySnapshot) -> Selection:
     candidates.sort(key=lambda c: (order_of[c.verdict], -(c.priority or 0)))
     return Selection(
         backend=bound,
+        name=chosen.name,
         spec=req.spec,
         platform=req.platform,
         has_kv_cache=req.has_kv_cache,
@@ -522,6 +644,7 @@ def _decide(req: _Request, snap: RegistrySnapshot) -> Selection:
         policy=req.policy,
         strict=req.strict,
         canary=canary,
+        policy_unmatched=unmatched,
     )
 
 
@@ -542,5 +665,5 @@ def _candidate(j: _Judged, selected: bool, plat: Platform) -> Candidate:
         )
     else:
         verdict = "eligible"
-    assumed = j.entry.backend.capabilities.requires if plat.assumed else ()
+    assumed = j.entry.capabilities.requires if plat.assumed else ()
     return Candidate(j.name, j.entry.plugin, verdict, j.priority, j.rule, reasons, assumed)

@@ -3,6 +3,7 @@ environment's allow/block lists, registering versus being chosen, and strict sta
 
 from __future__ import annotations
 
+import logging
 import sys
 from collections.abc import Iterator
 from pathlib import Path
@@ -263,6 +264,64 @@ def test_policy_parsing() -> None:
     assert policy.backend_refusal("x", "z") == "plugin 'z' is not in $ATTN_BACKENDS_PLUGINS=a,b"
 
 
+def test_prefixes_say_whether_a_disabled_name_is_a_plugin_or_a_backend(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    reg = _sdpa_registry()
+    reg.register_plugin(StaticPlugin(_SecondChoice()), name="vendor")
+    cases = {
+        "plugin:torch-sdpa": ("second-choice", "plugin 'torch-sdpa' is listed"),
+        "backend:torch-sdpa": ("second-choice", "backend 'torch-sdpa' is listed"),
+        "plugin:vendor": ("torch-sdpa", None),
+        "backend:second-choice": ("torch-sdpa", None),
+    }
+    for listed, (winner, refusal) in cases.items():
+        monkeypatch.setenv("ATTN_BACKENDS_DISABLE", listed)
+        sel = ab.select(SPEC, platform="cpu", registry=reg)
+        assert sel.name == winner, listed
+        assert sel.policy_unmatched == ()
+        if refusal is not None:
+            assert refusal in _candidate(sel, "torch-sdpa").reasons[0].message
+    for wrong_kind in ("backend:vendor", "plugin:second-choice"):
+        monkeypatch.setenv("ATTN_BACKENDS_DISABLE", wrong_kind)
+        sel = ab.select(SPEC, platform="cpu", registry=reg)
+        assert sel.name == "torch-sdpa"
+        assert _candidate(sel, "second-choice").verdict == "eligible", wrong_kind
+        assert sel.policy_unmatched == (wrong_kind,)
+
+
+def test_a_backend_prefix_leaves_the_plugin_loaded(example_site: PluginSite) -> None:
+    reg = ab.Registry()
+    reg.load_entry_points(policy=ab.PluginPolicy(disable=frozenset({"backend:torch-sdpa"})))
+    assert _record(reg, "torch-sdpa").status == "loaded"
+    assert reg.get("torch-sdpa") is not None
+
+
+def test_a_listed_name_that_matches_nothing_is_warned_about_and_recorded(
+    example_site: PluginSite,
+    monkeypatch: pytest.MonkeyPatch,
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    reg = ab.Registry()
+    reg.load_entry_points(policy=ab.PluginPolicy())
+    monkeypatch.setenv("ATTN_BACKENDS_DISABLE", "torch-spda,example-matmul")
+    monkeypatch.setenv("ATTN_BACKENDS_PLUGINS", "torch-sdpa,exmaple-matmul,backend:torch-sdpa")
+    with caplog.at_level(logging.WARNING, logger="attn_backends"):
+        sel = ab.select(SPEC, platform="cpu", registry=reg)
+    assert sel.name == "torch-sdpa"
+    unmatched = ("backend:torch-sdpa", "exmaple-matmul", "torch-spda")
+    assert sel.policy_unmatched == unmatched
+    assert sel.to_dict()["policy_unmatched"] == list(unmatched)
+    assert "(matching no plugin or backend: backend:torch-sdpa, exmaple-matmul, torch-spda)" in (
+        sel.explain()
+    )
+    assert "'torch-spda'" in caplog.text
+    assert "match no plugin or registered backend" in caplog.text
+    policy = ab.PluginPolicy.from_env({"ATTN_BACKENDS_DISABLE": "a, plugin:b ,backend:c"})
+    assert policy.unmatched(["a", "b"], ["c"]) == ()
+    assert policy.unmatched(["c"], ["a", "b"]) == ("backend:c", "plugin:b")
+
+
 def test_strict_mode_runs_a_canary_that_touches_nothing_shared() -> None:
     reg = _sdpa_registry()
     entry = reg.get("torch-sdpa")
@@ -314,7 +373,7 @@ class _Fp8Sdpa(torch_sdpa.TorchSdpaBackend):
         platforms=frozenset({"cpu"}), dtypes=frozenset({torch.float8_e4m3fn})
     )
 
-    def attend(self, views: ab.QKVViews, plan: ab.PrefillPlan) -> torch.Tensor:
+    def attend(self, views: ab.QKVViews, plan: ab.AnyPlan) -> torch.Tensor:
         scales = views.fp8_scales
         assert scales is not None
         q = views.q.to(torch.float32) * scales.q

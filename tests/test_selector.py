@@ -10,6 +10,7 @@ import pytest
 import torch
 
 import attn_backends as ab
+from attn_backends import _selector
 from tests.static_plugin import StaticPlugin
 
 SPEC = ab.AttentionSpec(8, 2, 64, torch.bfloat16, causal=True, rope=ab.RopeSpec(1e6))
@@ -221,3 +222,54 @@ def test_priority_rule_can_match_on_fusable_rope():
     assert not rule.matches(dataclasses.replace(fusable, rope=None), cuda)
     assert not rule.matches(dataclasses.replace(fusable, use_logn_attn=True, logn_base=8), cuda)
     assert "fusable RoPE" in rule.describe()
+
+
+@pytest.mark.parametrize(
+    ("flag", "value"),
+    [
+        ("has_kv_cache", "False"),
+        ("has_kv_cache", None),
+        ("has_kv_cache", 0),
+        ("strict", "false"),
+        ("strict", 1),
+        ("cuda_graph", 1),
+        ("cuda_graph", "no"),
+        ("need_rope_kv_cache", "yes"),
+        ("need_rope_kv_cache", 0),
+    ],
+)
+def test_flags_must_be_real_bools(registry, flag, value):
+    with pytest.raises(
+        ab.InvalidArgumentError, match=rf"select\({flag}=\.\.\.\) takes True"
+    ) as info:
+        ab.select(SPEC, platform="cpu", registry=registry, **{flag: value})
+    assert isinstance(info.value, TypeError)
+    assert isinstance(info.value, ab.AttentionBackendError)
+
+
+def test_none_is_accepted_where_the_signature_allows_it(registry):
+    sel = ab.select(SPEC, platform="cpu", registry=registry, strict=None, need_rope_kv_cache=None)
+    assert sel.name == "fast"
+    assert not sel.strict
+
+
+def test_registry_argument_must_be_a_registry():
+    with pytest.raises(ab.InvalidArgumentError, match="takes a Registry or None, got dict"):
+        ab.select(SPEC, platform="cpu", registry={})  # type: ignore[arg-type]
+
+
+def test_selection_cache_is_a_bounded_lru(registry, monkeypatch):
+    assert _selector.SELECTION_CACHE_SIZE == 256
+    monkeypatch.setattr(_selector, "SELECTION_CACHE_SIZE", 4)
+    ab.clear_selection_cache()
+    specs = [ab.AttentionSpec(8, 2, d, torch.bfloat16, causal=True) for d in (16, 32, 48, 64, 80)]
+    first = [ab.select(s, platform="cpu", registry=registry) for s in specs[:4]]
+    assert ab.select(specs[0], platform="cpu", registry=registry) is first[0]  # now most recent
+    ab.select(specs[4], platform="cpu", registry=registry)  # drops the least recent: specs[1]
+    assert len(_selector._cache) == 4
+    assert ab.select(specs[0], platform="cpu", registry=registry) is first[0]
+    assert ab.select(specs[2], platform="cpu", registry=registry) is first[2]
+    again = ab.select(specs[1], platform="cpu", registry=registry)
+    assert again is not first[1]
+    assert again.fingerprint() == first[1].fingerprint()
+    assert len(_selector._cache) == 4

@@ -1,0 +1,698 @@
+"""The plugin host cannot be hijacked or hung.
+
+Each fault below is one plugin doing something wrong while it loads or registers: raising any
+kind of exception, calling back into the registry, never returning, declaring malformed
+capabilities, or trying to stand in for a built-in backend. For every one the test checks that
+the fault is recorded against that plugin alone and that ``select()`` still chooses torch-sdpa,
+explicitly and by default, and computes the right numbers. The totals of these tables are the
+figures the plugin guide states (`test_the_guide_states_the_counted_figures`).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import sys
+import threading
+import types
+from collections.abc import Callable, Iterator
+from pathlib import Path
+
+import attn_backends_builtin.aiter
+import attn_backends_builtin.flashinfer
+import attn_backends_builtin.headwise
+import attn_backends_builtin.trt
+import pytest
+import torch
+from attn_backends_builtin import torch_sdpa
+
+import attn_backends as ab
+from attn_backends import _isolation, cli
+from tests.plugin_site import PluginSite, open_site
+from tests.static_plugin import StaticPlugin
+
+# Imported up front so that loading the built-ins under a short test timeout never waits on disk.
+BUILTIN_MODULES = (
+    attn_backends_builtin.aiter,
+    attn_backends_builtin.flashinfer,
+    attn_backends_builtin.headwise,
+    attn_backends_builtin.trt,
+    torch_sdpa,
+)
+SPEC = ab.AttentionSpec(4, 2, 32, torch.float32, causal=True, rope=ab.RopeSpec(1e4))
+GUIDE = Path(__file__).resolve().parents[1] / "docs" / "plugin-guide.md"
+SHORT_TIMEOUT = 1.0
+"""Seconds a hanging plugin is given in the tests; the built-ins, imported above, need far less."""
+ENV_VARS = (
+    "ATTN_BACKEND",
+    "ATTN_BACKENDS_PLUGINS",
+    "ATTN_BACKENDS_DISABLE",
+    "ATTN_BACKENDS_STRICT",
+    "ATTN_BACKENDS_PLUGIN_TIMEOUT",
+)
+
+
+@pytest.fixture(autouse=True)
+def _clean_env(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
+    for var in ENV_VARS:
+        monkeypatch.delenv(var, raising=False)
+    yield
+    ab.reset_registry()
+
+
+@pytest.fixture
+def site(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[PluginSite]:
+    yield from open_site(tmp_path, monkeypatch)
+
+
+@pytest.fixture
+def gate(monkeypatch: pytest.MonkeyPatch) -> Iterator[threading.Event]:
+    """``plugin_host_gate.RELEASE``: a hanging plugin waits on it; set when the test ends."""
+    release = threading.Event()
+    module = types.ModuleType("plugin_host_gate")
+    module.RELEASE = release  # type: ignore[attr-defined]  # a module built for the test
+    monkeypatch.setitem(sys.modules, "plugin_host_gate", module)
+    yield release
+    release.set()
+
+
+def _record(reg: ab.Registry, name: str) -> ab.PluginRecord:
+    return next(r for r in reg.records() if r.name == name)
+
+
+def _sdpa_still_works(reg: ab.Registry) -> None:
+    """torch-sdpa (the built-in class) is chosen by default and explicitly, with right numbers."""
+    for backend in (None, "torch-sdpa"):
+        sel = ab.select(SPEC, device="cpu", backend=backend, registry=reg)
+        assert sel.name == "torch-sdpa"
+        assert type(sel.backend) is torch_sdpa.TorchSdpaBackend
+        assert sel.candidates[0].name == "torch-sdpa"
+    params = ab.FMHAParams.from_lengths([3, 9], device="cpu")
+    qkv = torch.randn(12, SPEC.qkv_width, generator=torch.Generator().manual_seed(0))
+    ref = ab.reference_attention(qkv, SPEC, params)
+    out = sel.backend.forward(qkv.clone(), sel.backend.prepare(params))
+    assert ab.relative_error(out, ref) < ab.TOLERANCE[torch.float32]
+
+
+def _contained(
+    reg: ab.Registry, capsys: pytest.CaptureFixture[str], plugin: str, error: str
+) -> None:
+    """The plugin is recorded as failed with ``error``; nothing else is disturbed."""
+    rec = _record(reg, plugin)
+    assert rec.status == "failed"
+    assert rec.error is not None
+    assert error in rec.error
+    assert rec.backends == ()
+    _sdpa_still_works(reg)
+    assert error in ab.select(SPEC, device="cpu", registry=reg).explain()
+    ab.reset_registry(reg)
+    assert cli.main(["list", "--platform", "cpu"]) == 0
+    assert error in capsys.readouterr().out
+
+
+def _finishes(work: Callable[[], ab.Registry], within: float = 60.0) -> ab.Registry:
+    """Run ``work`` in a thread; fail (instead of hanging the suite) if it deadlocks."""
+    out: list[ab.Registry] = []
+    errors: list[BaseException] = []
+
+    def run() -> None:
+        try:
+            out.append(work())
+        except BaseException as exc:  # handed to the test thread, whatever it is
+            errors.append(exc)
+
+    thread = threading.Thread(target=run, daemon=True)
+    thread.start()
+    thread.join(within)
+    assert not thread.is_alive(), "loading the plugins deadlocked"
+    if errors:
+        pytest.fail(f"loading let {type(errors[0]).__name__} escape: {errors[0]}")
+    return out[0]
+
+
+def _default_registry() -> ab.Registry:
+    ab.reset_registry()
+    return _finishes(ab.get_registry)
+
+
+def _loaded(reg: ab.Registry, policy: ab.PluginPolicy) -> ab.Registry:
+    """``reg`` after loading the entry points under ``policy`` (in a thread, see `_finishes`)."""
+
+    def load() -> ab.Registry:
+        reg.load_entry_points(policy=policy)
+        return reg
+
+    return _finishes(load)
+
+
+# ---- faults while a plugin loads: its import and its hook ---------------------------------------
+
+_RAISE_ODD = 'raise type("VendorAbort", (BaseException,), {})("odd base exception")'
+_REENTRY_SPEC = "ab.AttentionSpec(4, 4, 32, torch.float32, causal=True)"
+
+LOAD_FAULTS: dict[str, tuple[str, str]] = {
+    "generator-exit": ('raise GeneratorExit("vendor generator closed")', "GeneratorExit"),
+    "system-exit": ('raise SystemExit("vendor gave up")', "SystemExit: vendor gave up"),
+    "pytest-skip": (
+        'import pytest; pytest.skip("no vendor device", allow_module_level=True)',
+        "Skipped: no vendor device",
+    ),
+    "pytest-fail": ('import pytest; pytest.fail("vendor self-test")', "Failed: vendor self-test"),
+    "odd-base-exception": (_RAISE_ODD, "VendorAbort: odd base exception"),
+    "get-registry": (
+        "import attn_backends as ab; ab.get_registry()",
+        "ReentrantRegistryError: get_registry() was called by a plugin while it was being loaded",
+    ),
+    "select": (
+        f"import attn_backends as ab, torch; ab.select({_REENTRY_SPEC})",
+        "ReentrantRegistryError: select() was called by a plugin",
+    ),
+    "reset-registry": (
+        "import attn_backends as ab; ab.reset_registry()",
+        "ReentrantRegistryError: reset_registry() was called by a plugin",
+    ),
+}
+"""Statement a plugin runs (at import or in its hook) -> text its record must hold."""
+
+
+def _plugin_source(where: str, statement: str) -> str:
+    if where == "import":
+        return statement + "\n"
+    return (
+        "from attn_backends import hookimpl\n\n"
+        "@hookimpl\n"
+        "def attn_backends_register(host_api_version):\n"
+        f"    {statement}\n"
+    )
+
+
+@pytest.mark.parametrize("where", ["import", "hook"])
+@pytest.mark.parametrize("fault", sorted(LOAD_FAULTS))
+def test_a_plugin_fault_while_loading_is_contained(
+    site: PluginSite, capsys: pytest.CaptureFixture[str], fault: str, where: str
+) -> None:
+    statement, error = LOAD_FAULTS[fault]
+    site.add_module("faulty_plugin", _plugin_source(where, statement))
+    site.add_dist("vendor-faulty", {"faulty": "faulty_plugin"})
+    reg = _default_registry()
+    _contained(reg, capsys, "faulty", error)
+    if where == "import":
+        assert (_record(reg, "faulty").error or "").startswith("import failed: ")
+
+
+HANGS = {
+    "import": "import failed: import of hang_plugin did not finish within",
+    "hook": "hook of plugin hang did not finish within",
+}
+"""Where a plugin waits forever -> text its record must hold."""
+
+
+@pytest.mark.parametrize("where", sorted(HANGS))
+def test_a_plugin_that_never_returns_is_given_up_on(
+    site: PluginSite,
+    capsys: pytest.CaptureFixture[str],
+    gate: threading.Event,
+    where: str,
+) -> None:
+    statement = "import plugin_host_gate; plugin_host_gate.RELEASE.wait()"
+    site.add_module("hang_plugin", _plugin_source(where, statement))
+    site.add_dist("vendor-hang", {"hang": "hang_plugin"})
+    only = ab.PluginPolicy(allow=frozenset({"torch-sdpa", "hang"}))
+    reg = _loaded(ab.Registry(plugin_timeout=SHORT_TIMEOUT), only)
+    _contained(reg, capsys, "hang", f"{HANGS[where]} {SHORT_TIMEOUT:g} s")
+    assert "$ATTN_BACKENDS_PLUGIN_TIMEOUT" in (_record(reg, "hang").error or "")
+
+
+def test_the_plugin_timeout_comes_from_the_environment(
+    site: PluginSite, gate: threading.Event, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    site.add_module("hang_plugin", "import plugin_host_gate; plugin_host_gate.RELEASE.wait()\n")
+    site.add_dist("vendor-hang", {"hang": "hang_plugin"})
+    monkeypatch.setenv("ATTN_BACKENDS_PLUGIN_TIMEOUT", "0.75")
+    reg = _loaded(ab.Registry(), ab.PluginPolicy())
+    assert "did not finish within 0.75 s" in (_record(reg, "hang").error or "")
+    assert _record(reg, "torch-sdpa").status == "loaded"
+
+
+@pytest.mark.parametrize("raw", ["soon", "-1", "0", "nan", "inf"])
+def test_a_bad_timeout_setting_warns_and_keeps_the_default(
+    raw: str, caplog: pytest.LogCaptureFixture
+) -> None:
+    with caplog.at_level(logging.WARNING, logger="attn_backends"):
+        seconds = _isolation.timeout_from_env({"ATTN_BACKENDS_PLUGIN_TIMEOUT": raw})
+    assert seconds == _isolation.DEFAULT_PLUGIN_TIMEOUT
+    assert f"ATTN_BACKENDS_PLUGIN_TIMEOUT={raw!r} is not a positive number" in caplog.text
+    assert _isolation.timeout_from_env({"ATTN_BACKENDS_PLUGIN_TIMEOUT": " 2.5 "}) == 2.5
+    assert _isolation.timeout_from_env({}) == _isolation.DEFAULT_PLUGIN_TIMEOUT
+
+
+@pytest.mark.parametrize("bad", [0, -2.0, float("nan"), float("inf"), True, "5"])
+def test_a_bad_timeout_argument_is_refused(bad: object) -> None:
+    with pytest.raises(ab.InvalidArgumentError, match="plugin_timeout must be"):
+        ab.Registry(plugin_timeout=bad)  # type: ignore[arg-type]  # the wrong types on purpose
+
+
+@pytest.mark.parametrize("where", ["import", "hook"])
+def test_keyboard_interrupt_aborts_loading_and_leaves_the_registry_as_it_was(
+    site: PluginSite, monkeypatch: pytest.MonkeyPatch, where: str
+) -> None:
+    site.add_module("interrupt_plugin", _plugin_source(where, "raise KeyboardInterrupt"))
+    site.add_dist("zz-vendor-interrupt", {"interrupt": "interrupt_plugin"})  # loads last
+    reg = ab.Registry()
+    unranked = dataclasses.replace(_EAGER, priority=())
+    reg.register_plugin(StaticPlugin(_backend("kept-backend", unranked)), name="kept")
+    before = reg.snapshot()
+    with pytest.raises(KeyboardInterrupt):
+        reg.load_entry_points(policy=ab.PluginPolicy())
+    after = reg.snapshot()
+    assert after.entries == before.entries, "backends loaded before the interrupt were kept"
+    assert after.records == before.records
+    assert after.generation != before.generation, "the selection cache would not notice"
+    reg.load_entry_points(policy=ab.PluginPolicy(disable=frozenset({"plugin:interrupt"})))
+    assert _record(reg, "torch-sdpa").status == "loaded", "loading again found leftovers"
+    _sdpa_still_works(reg)
+    ab.reset_registry()
+    with pytest.raises(KeyboardInterrupt):
+        ab.get_registry()
+    monkeypatch.setenv("ATTN_BACKENDS_DISABLE", "plugin:interrupt")
+    _sdpa_still_works(ab.get_registry())
+
+
+# ---- malformed declarations: refused at registration, that backend alone -----------------------
+
+_EAGER = ab.Capabilities(
+    platforms=frozenset({"cpu"}),
+    dtypes=frozenset({torch.float32}),
+    priority=(ab.PriorityRule("cpu", 1000, note="claims to beat torch-sdpa"),),
+)
+
+
+def _tampered(value: object, **fields: object) -> object:
+    """A copy of a frozen declaration with fields set past its constructor, as a buggy plugin
+    could build it (dataclasses check no field types)."""
+    copy = dataclasses.replace(value)  # type: ignore[type-var]  # any dataclass instance
+    for name, field_value in fields.items():
+        object.__setattr__(copy, name, field_value)
+    return copy
+
+
+def _rule(**fields: object) -> object:
+    return _tampered(_EAGER.priority[0], **fields)
+
+
+def _raises(self: object) -> object:
+    raise RuntimeError("vendor table not loaded")
+
+
+def _backend(name: object, caps: object = _EAGER) -> ab.NoCachePrefill:
+    """A torch-sdpa subclass declaring ``name`` and ``capabilities`` as given (even broken)."""
+    cls = type(
+        "VendorBackend", (torch_sdpa.TorchSdpaBackend,), {"name": name, "capabilities": caps}
+    )
+    backend: ab.NoCachePrefill = cls()
+    return backend
+
+
+DECLARATION_FAULTS: dict[str, tuple[object, object, str]] = {
+    "head-dims-int": (
+        "vendor",
+        _tampered(_EAGER, head_dims=16),
+        "capabilities.head_dims must be a frozenset of int or None, got int",
+    ),
+    "head-dims-str": (
+        "vendor",
+        _tampered(_EAGER, head_dims=frozenset({"64"})),
+        "capabilities.head_dims must be a frozenset of int or None; it holds str",
+    ),
+    "platforms-set": (
+        "vendor",
+        _tampered(_EAGER, platforms={"cpu"}),
+        "capabilities.platforms must be a frozenset of str, got set",
+    ),
+    "platform-unknown": (
+        "vendor",
+        _tampered(_EAGER, platforms=frozenset({"cpu", "tpu"})),
+        "capabilities.platforms holds tpu; use cpu, cuda, rocm",
+    ),
+    "dtypes-str": (
+        "vendor",
+        _tampered(_EAGER, dtypes=frozenset({"float32"})),
+        "capabilities.dtypes must be a frozenset of dtype; it holds str",
+    ),
+    "min-sm-str": ("vendor", _tampered(_EAGER, min_sm="80"), "capabilities.min_sm must be an int"),
+    "flag-str": ("vendor", _tampered(_EAGER, gqa="yes"), "capabilities.gqa must be True or False"),
+    "requires-str": (
+        "vendor",
+        _tampered(_EAGER, requires="flashinfer"),
+        "capabilities.requires must be a tuple of import names",
+    ),
+    "priority-none": (
+        "vendor",
+        _tampered(_EAGER, priority=None),
+        "capabilities.priority must be a tuple of PriorityRule, got NoneType",
+    ),
+    "priority-list": (
+        "vendor",
+        _tampered(_EAGER, priority=list(_EAGER.priority)),
+        "capabilities.priority must be a tuple of PriorityRule, got list",
+    ),
+    "score-str": (
+        "vendor",
+        _tampered(_EAGER, priority=(_rule(score="high"),)),
+        "capabilities.priority[0].score must be an int (e.g. 100), got 'high'",
+    ),
+    "score-nan": (
+        "vendor",
+        _tampered(_EAGER, priority=(_rule(score=float("nan")),)),
+        "capabilities.priority[0].score must be an int (e.g. 100), got nan",
+    ),
+    "score-bool": (
+        "vendor",
+        _tampered(_EAGER, priority=(_rule(score=True),)),
+        "capabilities.priority[0].score must be an int (e.g. 100), got True",
+    ),
+    "score-none": (
+        "vendor",
+        _tampered(_EAGER, priority=(_rule(score=None),)),
+        "capabilities.priority[0].score must be an int (e.g. 100), got None",
+    ),
+    "rule-platform": (
+        "vendor",
+        _tampered(_EAGER, priority=(_rule(platform="gpu"),)),
+        "capabilities.priority[0].platform must be one of cpu, cuda, rocm",
+    ),
+    "rule-head-dims": (
+        "vendor",
+        _tampered(_EAGER, priority=(_rule(head_dims=64),)),
+        "capabilities.priority[0].head_dims must be a frozenset of int or None, got int",
+    ),
+    "rule-not-a-rule": (
+        "vendor",
+        _tampered(_EAGER, priority=({"platform": "cpu", "score": 5},)),
+        "capabilities.priority[0] must be a PriorityRule, got dict",
+    ),
+    "capabilities-dict": (
+        "vendor",
+        {"platforms": ["cpu"]},
+        "capabilities must be a Capabilities, not dict",
+    ),
+    "capabilities-property-raises": (
+        "vendor",
+        property(_raises),
+        "raised while being inspected: RuntimeError: vendor table not loaded",
+    ),
+    "name-int": (42, _EAGER, "VendorBackend.name must be a str, got int"),
+    "name-empty": ("", _EAGER, "VendorBackend.name '' must be 1-100 letters"),
+    "name-comma": ("a,b", _EAGER, "VendorBackend.name 'a,b' must be 1-100 letters"),
+    "name-property-raises": (
+        property(_raises),
+        _EAGER,
+        "raised while being inspected: RuntimeError: vendor table not loaded",
+    ),
+}
+"""Backend name and capabilities a plugin declares -> text its record must hold."""
+
+
+@pytest.mark.parametrize("fault", sorted(DECLARATION_FAULTS))
+def test_a_malformed_declaration_refuses_that_backend_alone(
+    capsys: pytest.CaptureFixture[str], fault: str
+) -> None:
+    name, caps, error = DECLARATION_FAULTS[fault]
+    reg = ab.Registry()
+    reg.register_plugin(torch_sdpa, name="torch-sdpa")
+    reg.register_plugin(StaticPlugin(_backend(name, caps)), name="vendor")
+    assert [e.name for e in reg.entries()] == ["torch-sdpa"]
+    _contained(reg, capsys, "vendor", error)
+
+
+def test_one_bad_backend_of_a_plugin_leaves_its_good_ones() -> None:
+    reg = ab.Registry()
+    reg.register_plugin(torch_sdpa, name="torch-sdpa")
+    bad = _backend("vendor-bad", _tampered(_EAGER, priority=(_rule(score="high"),)))
+    record = reg.register_plugin(StaticPlugin(bad, _backend("vendor-good")), name="vendor")
+    assert record.status == "loaded"
+    assert record.backends == ("vendor-good",)
+    assert "backend 'vendor-bad' (VendorBackend) refused: capabilities.priority[0].score" in (
+        record.error or ""
+    )
+    assert ab.select(SPEC, device="cpu", registry=reg).name == "vendor-good"
+
+
+# ---- declarations that go bad after registration: a reason, never a raw error ------------------
+
+_SWITCH = {"broken": False}
+"""Flipped by a test: the vendor backend's capabilities property starts raising."""
+
+
+def _caps_until_broken(self: object) -> ab.Capabilities:
+    if _SWITCH["broken"]:
+        raise RuntimeError("vendor table unloaded")
+    return _EAGER
+
+
+LATE_FAULTS: dict[str, tuple[Callable[[object], None], str]] = {
+    "capabilities-property-raises-later": (
+        lambda backend: _SWITCH.__setitem__("broken", True),
+        "supports() raised RuntimeError: vendor table unloaded",
+    ),
+    "score-tampered-later": (
+        lambda capabilities: object.__setattr__(
+            capabilities.priority[0],  # type: ignore[attr-defined]  # a Capabilities
+            "score",
+            "high",
+        ),
+        "priority rules could not be evaluated: TypeError: score 'high' is not an int",
+    ),
+}
+"""How a registered backend's declarations go bad -> the reason its candidate must carry."""
+
+
+@pytest.mark.parametrize("fault", sorted(LATE_FAULTS))
+def test_a_declaration_that_goes_bad_later_is_a_reason_for_that_backend(
+    fault: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    go_bad, error = LATE_FAULTS[fault]
+    monkeypatch.setitem(_SWITCH, "broken", False)
+    caps = _tampered(_EAGER, priority=(_rule(),))  # a private copy, safe to spoil
+    late = _backend("vendor-late", property(_caps_until_broken) if "property" in fault else caps)
+    reg = ab.Registry()
+    reg.register_plugin(torch_sdpa, name="torch-sdpa")
+    assert reg.register_plugin(StaticPlugin(late), name="vendor").status == "loaded"
+    assert ab.select(SPEC, device="cpu", registry=reg).name == "vendor-late"
+    go_bad(caps)
+    ab.clear_selection_cache()  # decisions are cached; the next one meets the spoilt backend
+    sel = ab.select(SPEC, device="cpu", registry=reg)
+    assert sel.name == "torch-sdpa"
+    cand = next(c for c in sel.candidates if c.name == "vendor-late")
+    assert cand.verdict == "rejected"
+    assert any(error in r.message for r in cand.reasons), cand.reasons
+    with pytest.raises(ab.NoBackendError, match="not swapped"):
+        ab.select(SPEC, device="cpu", registry=reg, backend="vendor-late")
+    _sdpa_still_works(reg)
+
+
+# ---- impostors: a built-in name cannot be taken -------------------------------------------------
+
+_IMPOSTOR = """
+import torch
+from attn_backends import Capabilities, PluginManifest, PriorityRule, hookimpl
+from attn_backends_builtin.torch_sdpa import TorchSdpaBackend
+
+class Impostor(TorchSdpaBackend):  # keeps the name torch-sdpa
+    capabilities = Capabilities(
+        platforms=frozenset({"cpu"}),
+        dtypes=frozenset({torch.float32}),
+        priority=(PriorityRule("cpu", 1000),),
+    )
+
+@hookimpl
+def attn_backends_register(host_api_version):
+    return PluginManifest("1.0", [Impostor()])
+"""
+
+
+def test_a_distribution_sorting_first_cannot_replace_a_builtin(
+    site: PluginSite, capsys: pytest.CaptureFixture[str]
+) -> None:
+    site.add_module("impostor_plugin", _IMPOSTOR)
+    site.add_dist("aaa-impostor", {"aaa": "impostor_plugin"})  # sorts before attn-backends
+    reg = _default_registry()
+    entry = reg.get("torch-sdpa")
+    assert entry is not None
+    assert entry.builtin
+    assert entry.plugin == "torch-sdpa"
+    assert entry.origin.startswith("attn-backends ")
+    _contained(reg, capsys, "aaa", "backend name 'torch-sdpa' is taken by plugin torch-sdpa")
+    error = _record(reg, "aaa").error or ""
+    assert f"({entry.origin})" in error, "the record names the built-in's distribution"
+    assert "offered by aaa-impostor 1.0" in error, "the record names the impostor's distribution"
+
+
+def test_a_plugin_cannot_reuse_a_builtin_plugin_name(site: PluginSite) -> None:
+    site.add_module("impostor_plugin", _IMPOSTOR)
+    site.add_dist("aaa-impostor", {"torch-sdpa": "impostor_plugin"})
+    reg = _default_registry()
+    records = [r for r in reg.records() if r.name == "torch-sdpa"]
+    assert [r.status for r in records] == ["loaded", "failed"]
+    assert "aaa-impostor" in records[1].source
+    assert "already registered" in (records[1].error or "")
+    _sdpa_still_works(reg)
+
+
+def test_a_builtin_name_stays_reserved_when_the_builtin_is_disabled(site: PluginSite) -> None:
+    site.add_module("impostor_plugin", _IMPOSTOR)
+    site.add_dist("aaa-impostor", {"aaa": "impostor_plugin"})
+    reg = ab.Registry()
+    reg.load_entry_points(policy=ab.PluginPolicy(disable=frozenset({"plugin:torch-sdpa"})))
+    assert _record(reg, "torch-sdpa").status == "disabled"
+    assert reg.get("torch-sdpa") is None
+    assert "backend name 'torch-sdpa' is kept for the built-in plugin torch-sdpa" in (
+        _record(reg, "aaa").error or ""
+    )
+    with pytest.raises(ab.NoBackendError, match="unknown backend backend='torch-sdpa'"):
+        ab.select(SPEC, device="cpu", backend="torch-sdpa", registry=reg)
+
+
+def test_a_builtin_takes_its_name_back_from_an_earlier_in_process_plugin() -> None:
+    reg = ab.Registry()
+    early = reg.register_plugin(StaticPlugin(_backend("torch-sdpa")), name="early")
+    assert early.status == "loaded"
+    reg.load_entry_points(policy=ab.PluginPolicy(allow=frozenset({"torch-sdpa"})))
+    entry = reg.get("torch-sdpa")
+    assert entry is not None
+    assert entry.builtin
+    record = _record(reg, "early")
+    assert record.status == "failed"
+    assert record.backends == ()
+    assert "backend 'torch-sdpa' removed: the name belongs to a built-in backend" in (
+        record.error or ""
+    )
+    _sdpa_still_works(reg)
+
+
+class _Shifty(torch_sdpa.TorchSdpaBackend):
+    name = "shifty"
+    capabilities = _EAGER
+
+
+def test_a_backend_that_renames_itself_after_registration_is_not_confused(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    reg = ab.Registry()
+    reg.register_plugin(torch_sdpa, name="torch-sdpa")
+    reg.register_plugin(StaticPlugin(_Shifty()), name="vendor")
+    monkeypatch.setattr(_Shifty, "name", "torch-sdpa")
+    assert [e.name for e in reg.entries()] == ["torch-sdpa", "shifty"]
+    sel = ab.select(SPEC, device="cpu", registry=reg)
+    shifty = next(c for c in sel.candidates if c.name == "shifty")
+    assert shifty.verdict == "rejected"
+    assert "bind() returned a backend named 'torch-sdpa', not 'shifty'" in shifty.reasons[0].message
+    _sdpa_still_works(reg)
+
+
+class _BindsOther(torch_sdpa.TorchSdpaBackend):
+    name = "binds-other"
+    capabilities = _EAGER
+
+    def bind(self, spec: ab.AttentionSpec) -> ab.PrefillBackend:
+        return torch_sdpa.TorchSdpaBackend(spec)
+
+
+def test_bind_must_return_the_same_backend() -> None:
+    reg = ab.Registry()
+    reg.register_plugin(torch_sdpa, name="torch-sdpa")
+    reg.register_plugin(StaticPlugin(_BindsOther()), name="vendor")
+    sel = ab.select(SPEC, device="cpu", registry=reg)
+    assert sel.name == "torch-sdpa"
+    assert sel.candidates[0].name == sel.name
+    error = "bind() returned a TorchSdpaBackend, not a _BindsOther"
+    other = next(c for c in sel.candidates if c.name == "binds-other")
+    assert other.verdict == "rejected"
+    assert error in other.reasons[0].message
+    with pytest.raises(ab.NoBackendError, match="not swapped") as info:
+        ab.select(SPEC, device="cpu", registry=reg, backend="binds-other")
+    assert error in str(info.value)
+    strict = ab.select(SPEC, device="cpu", registry=reg, strict=True)
+    assert strict.name == "torch-sdpa"
+
+
+IMPOSTOR_CASES = (
+    test_a_distribution_sorting_first_cannot_replace_a_builtin,
+    test_a_plugin_cannot_reuse_a_builtin_plugin_name,
+    test_a_builtin_name_stays_reserved_when_the_builtin_is_disabled,
+    test_a_builtin_takes_its_name_back_from_an_earlier_in_process_plugin,
+    test_a_backend_that_renames_itself_after_registration_is_not_confused,
+    test_bind_must_return_the_same_backend,
+)
+
+
+# ---- third-party libraries are probed on real hardware ------------------------------------------
+
+
+def _needs_vendor_lib(requires: str) -> ab.NoCachePrefill:
+    caps = dataclasses.replace(_EAGER, requires=(requires,))
+    return _backend("vendor-kernels", caps)
+
+
+def test_a_library_a_backend_requires_is_probed(site: PluginSite) -> None:
+    site.add_module("my_vendor_kernels", "raise RuntimeError('probing imported me')\n")
+    site.add_dist("my-vendor-kernels", {}, version="2.1")
+    reg = ab.Registry()
+    reg.register_plugin(torch_sdpa, name="torch-sdpa")
+    reg.register_plugin(StaticPlugin(_needs_vendor_lib("my_vendor_kernels")), name="vendor")
+    assert reg.required_libraries() == ("my_vendor_kernels",)
+    sel = ab.select(SPEC, device="cpu", registry=reg)
+    assert sel.name == "vendor-kernels"
+    assert not sel.platform.assumed
+    assert sel.platform.library_version("my_vendor_kernels") == "2.1"
+    assert "my_vendor_kernels" not in sys.modules, "probing imported the library"
+    for platform in (
+        ab.detect_platform("cpu", extra_libraries=["my_vendor_kernels"]),
+        ab.detect_platform("cpu"),  # as `attn-backends list` and the conformance suite see it
+    ):
+        assert platform.library_version("my_vendor_kernels") == "2.1"
+
+
+@pytest.mark.parametrize("requires", ["absent_vendor_kernels", "absent_vendor_kernels.ops"])
+def test_a_missing_library_is_still_a_reason(requires: str) -> None:
+    reg = ab.Registry()
+    reg.register_plugin(torch_sdpa, name="torch-sdpa")
+    reg.register_plugin(StaticPlugin(_needs_vendor_lib(requires)), name="vendor")
+    sel = ab.select(SPEC, device="cpu", registry=reg)
+    assert sel.name == "torch-sdpa"
+    vendor = next(c for c in sel.candidates if c.name == "vendor-kernels")
+    assert [r.code for r in vendor.reasons] == [ab.ReasonCode.LIBRARY_MISSING]
+
+
+def test_probing_a_dotted_name_or_a_broken_finder_never_imports_or_raises(
+    site: PluginSite, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    site.add_module("my_vendor_pkg", "raise RuntimeError('probing imported me')\n")
+
+    class _BrokenFinder:
+        @staticmethod
+        def find_spec(name: str, path: object = None, target: object = None) -> None:
+            if name == "broken_vendor_lib":
+                raise RuntimeError("finder crashed")
+            return None
+
+    monkeypatch.setattr(sys, "meta_path", [_BrokenFinder(), *sys.meta_path])
+    platform = ab.detect_platform("cpu", extra_libraries=("my_vendor_pkg.ops", "broken_vendor_lib"))
+    assert platform.has_library("my_vendor_pkg.ops")
+    assert platform.library_version("my_vendor_pkg.ops") == "unknown"
+    assert not platform.has_library("broken_vendor_lib")
+    assert "my_vendor_pkg" not in sys.modules
+
+
+# ---- the figures the guide states ---------------------------------------------------------------
+
+
+def test_the_guide_states_the_counted_figures() -> None:
+    load = 2 * len(LOAD_FAULTS) + len(HANGS)
+    declared = len(DECLARATION_FAULTS) + len(LATE_FAULTS)
+    total = load + declared + len(IMPOSTOR_CASES)
+    text = " ".join(GUIDE.read_text().split())
+    assert f"{total} plugin faults" in text
+    assert f"{load} while a plugin loads" in text
+    assert f"{declared} malformed declarations" in text
+    assert f"{len(IMPOSTOR_CASES)} attempts to take a built-in's place" in text
