@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import functools
-import json
 import logging
 import os
 import threading
@@ -17,6 +16,7 @@ from ._canary import CANARY_OFF, CanaryResult, run_canary
 from ._capabilities import Capabilities
 from ._dtypes import dtype_name
 from ._errors import InvalidArgumentError, NoBackendError, PlatformError, SpecError
+from ._fingerprint import canonical_json
 from ._flags import derive_need_rope_kv_cache
 from ._isolation import refuse_reentry
 from ._platform import Platform, detect_platform, parse_platform
@@ -94,10 +94,10 @@ class Selection:
     """Names in the allow/block lists that match no plugin or registered backend (typos)."""
 
     def fingerprint(self) -> str:
-        """Stable text identifying the decision; equal on ranks that chose alike."""
-        return json.dumps(
-            {"backend": self.name, "details": dict(self.details), "spec": self.spec.to_dict()},
-            sort_keys=True,
+        """Stable text identifying the decision; equal on ranks that chose alike (values
+        normalised: ``RopeSpec(10000)`` and ``RopeSpec(10000.0)`` give one text)."""
+        return canonical_json(
+            {"backend": self.name, "details": dict(self.details), "spec": self.spec.to_dict()}
         )
 
     def to_dict(self) -> dict[str, object]:

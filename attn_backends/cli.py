@@ -131,7 +131,7 @@ def _check_backend_name(args: argparse.Namespace) -> None:
     registry = get_registry()
     if name is None or registry.get(name) is not None:
         return
-    known = ", ".join(sorted(e.backend.name for e in registry.entries()))
+    known = ", ".join(sorted(e.name for e in registry.entries()))
     unloaded = sorted(r.name for r in registry.records() if r.status != "loaded")
     note = f"; plugins that did not load: {', '.join(unloaded)}" if unloaded else ""
     if given is not None:
@@ -168,11 +168,11 @@ def cmd_list(args: argparse.Namespace) -> int:
     platform = _platform_of(args)
     rows = []
     for entry in registry.entries():
-        caps = entry.backend.capabilities
+        caps = entry.capabilities
         reasons = check_platform(caps, platform)
         rows.append(
             {
-                "name": entry.backend.name,
+                "name": entry.name,
                 "plugin": entry.plugin,
                 "available": not reasons,
                 "reasons": [r.to_dict() for r in reasons],
@@ -186,9 +186,9 @@ def cmd_list(args: argparse.Namespace) -> int:
     print(f"platform: {platform}" + (" (dry run)" if platform.assumed else ""))
     for row, entry in zip(rows, registry.entries(), strict=True):
         state = "available" if row["available"] else "unavailable"
-        declared = entry.backend.capabilities.to_dict()
+        declared = entry.capabilities.to_dict()
         print(f"\n{row['name']}  [{state}]  plugin {row['plugin']}")
-        for reason in check_platform(entry.backend.capabilities, platform):
+        for reason in check_platform(entry.capabilities, platform):
             print(f"    - {reason}")
         for key in (
             "platforms",

@@ -273,3 +273,20 @@ def test_selection_cache_is_a_bounded_lru(registry, monkeypatch):
     assert again is not first[1]
     assert again.fingerprint() == first[1].fingerprint()
     assert len(_selector._cache) == 4
+
+
+def test_fingerprint_normalises_equal_values():
+    one = ab.select(
+        ab.AttentionSpec(4, 2, 64, torch.float32, causal=True, rope=ab.RopeSpec(10000)),
+        platform="cpu",
+    )
+    other = ab.select(
+        ab.AttentionSpec(4, 2, 64, torch.float32, causal=True, rope=ab.RopeSpec(10000.0)),
+        platform="cpu",
+    )
+    assert one.fingerprint() == other.fingerprint()
+    changed = ab.select(
+        ab.AttentionSpec(4, 2, 64, torch.float32, causal=True, rope=ab.RopeSpec(10001.0)),
+        platform="cpu",
+    )
+    assert changed.fingerprint() != one.fingerprint()

@@ -305,11 +305,11 @@ class NoCachePrefillConformance:
         for name in self._names(config):
             entry = registry.get(name)
             if entry is None:
-                known = ", ".join(e.backend.name for e in registry.entries())
+                known = ", ".join(e.name for e in registry.entries())
                 raise pytest.UsageError(
                     f"--attn-backend {name!r} is not registered; known: {known}"
                 )
-            caps = entry.backend.capabilities
+            caps = entry.capabilities
             if metafunc.function.__name__ == "test_numeric":
                 for case in conformance_cases(caps):
                     params.append((name, case, device, platform))
