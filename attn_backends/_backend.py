@@ -13,13 +13,13 @@ prepared by any caller, in any order, never disturb each other.
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from typing import ClassVar
+from typing import ClassVar, cast
 
 import torch
 
 from ._capabilities import Capabilities, check_capabilities
 from ._contract import (
-    AnyPlan,
+    AttendFn,
     BufferMemo,
     Fp8Scales,
     InputLayout,
@@ -127,8 +127,11 @@ class PrefillBackend(ABC):
         spec = self._spec
         if spec is None:
             spec = self.bound_spec()
+        # A graph plan reaches ``attend`` only for backends that declared graph mode and take
+        # it (`prepare_graph` refuses the others), hence the wider callable type.
+        attend = cast(AttendFn, self.attend)
         return run_forward(
-            self.name, spec, qkv, plan, fp8_scales, self._layout, self.attend, self.accepts_rows
+            self.name, spec, qkv, plan, fp8_scales, self._layout, attend, self.accepts_rows
         )
 
     def accepts_rows(self, rows: torch.Tensor) -> bool:
@@ -237,8 +240,11 @@ class PrefillBackend(ABC):
         What it returns is the plan's own state: it must not be shared with other plans."""
 
     @abstractmethod
-    def attend(self, views: QKVViews, plan: AnyPlan) -> torch.Tensor:
-        """Attention on checked views; returns ``[tokens, Hq, D]`` in the output dtype."""
+    def attend(self, views: QKVViews, plan: PrefillPlan) -> torch.Tensor:
+        """Attention on checked views; returns ``[tokens, Hq, D]`` in the output dtype.
+
+        A backend that declares ``capabilities.cuda_graph`` also receives `GraphPlan`s here
+        (and types ``plan`` as `AnyPlan`); any other never does: `prepare_graph` refuses it."""
 
     def __repr__(self) -> str:
         bound = "unbound" if self._spec is None else "bound"

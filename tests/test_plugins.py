@@ -373,7 +373,7 @@ class _Fp8Sdpa(torch_sdpa.TorchSdpaBackend):
         platforms=frozenset({"cpu"}), dtypes=frozenset({torch.float8_e4m3fn})
     )
 
-    def attend(self, views: ab.QKVViews, plan: ab.AnyPlan) -> torch.Tensor:
+    def attend(self, views: ab.QKVViews, plan: ab.PrefillPlan) -> torch.Tensor:
         scales = views.fp8_scales
         assert scales is not None
         q = views.q.to(torch.float32) * scales.q

@@ -30,7 +30,6 @@ from typing import TYPE_CHECKING
 import torch
 
 from attn_backends import (
-    AnyPlan,
     AttentionSpec,
     BackendFailure,
     Capabilities,
@@ -39,6 +38,7 @@ from attn_backends import (
     Platform,
     PluginManifest,
     PrefillBackend,
+    PrefillPlan,
     PriorityRule,
     QKVViews,
     Reason,
@@ -230,7 +230,7 @@ class HeadwiseBackend(PrefillBackend):
             raise BackendFailure(f"{self.name} needs a HeadwiseConfig on the spec")
         return build_block_mask(spec, spec.headwise, params)
 
-    def attend(self, views: QKVViews, plan: AnyPlan) -> torch.Tensor:
+    def attend(self, views: QKVViews, plan: PrefillPlan) -> torch.Tensor:
         kernel = plan.kernel
         if not isinstance(kernel, HeadwisePlan):
             raise BackendFailure(f"{self.name} got a plan it did not make: {kernel!r}")

@@ -14,12 +14,12 @@ import torch
 import torch.nn.functional as F
 
 from attn_backends import (
-    AnyPlan,
     AttentionSpec,
     Capabilities,
     FMHAParams,
     PluginManifest,
     PrefillBackend,
+    PrefillPlan,
     PriorityRule,
     QKVViews,
     hookimpl,
@@ -67,7 +67,7 @@ class TorchSdpaBackend(PrefillBackend):
     ) -> tuple[_Run, ...]:
         return _runs(params.input_lengths)
 
-    def attend(self, views: QKVViews, plan: AnyPlan) -> torch.Tensor:
+    def attend(self, views: QKVViews, plan: PrefillPlan) -> torch.Tensor:
         spec = plan.spec
         runs = cast(tuple[_Run, ...], plan.kernel)
         q, k, v = views.q, views.k, views.v

@@ -27,7 +27,6 @@ from typing import Literal
 import torch
 
 from attn_backends import (
-    AnyPlan,
     AttentionSpec,
     BackendFailure,
     Capabilities,
@@ -36,6 +35,7 @@ from attn_backends import (
     Platform,
     PluginManifest,
     PrefillBackend,
+    PrefillPlan,
     PriorityRule,
     QKVViews,
     dtype_name,
@@ -140,7 +140,7 @@ class TrtBackend(PrefillBackend):
             mask_mode=trt_mask_mode(spec.causal),
         )
 
-    def attend(self, views: QKVViews, plan: AnyPlan) -> torch.Tensor:
+    def attend(self, views: QKVViews, plan: PrefillPlan) -> torch.Tensor:
         kernel = plan.kernel
         if not isinstance(kernel, TrtPlan):
             raise BackendFailure(f"{self.name} got a plan it did not make: {kernel!r}")
