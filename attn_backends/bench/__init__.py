@@ -1,9 +1,12 @@
 """The no-cache prefill benchmark (``attn-backends bench``), GPU only, never a timed test.
 
-Five embedding-model workloads, each computed by several paths in one run: the public API,
-every backend alone, attention without RoPE, the legacy copy-split + paged-cache path, padded
-SDPA and torch's ``varlen_attn``. Each path is checked against the float64 reference before it
-is timed, and judged against the machine's floor and the project's targets.
+Embedding-model workloads (document batches and query batches), each computed by several paths
+in one run: the public API and the raw kernel it wraps, every backend alone, attention without
+RoPE, the legacy copy-split + paged-cache path with each RoPE it could use, padded SDPA and
+torch's ``varlen_attn``, and the public API replayed from a CUDA graph. The engine's view is
+timed in four modes (host µs, latency, throughput, graph replay). Each path is checked against
+the float64 reference before it is timed, and judged against the machine's floor and the
+project's targets.
 
 Importing this package needs only torch; matplotlib and the GPU libraries load on use.
 """
@@ -11,15 +14,27 @@ Importing this package needs only torch; matplotlib and the GPU libraries load o
 from __future__ import annotations
 
 from .cli import add_arguments, main, run
-from .results import BenchResult, Ceilings, PathResult, TargetResult, WorkloadResult
+from .results import (
+    MODES,
+    BenchResult,
+    Ceilings,
+    HostTiming,
+    Mode,
+    PathResult,
+    WorkloadResult,
+)
 from .runner import BenchConfig, run_benchmark
+from .targets import TargetResult
 from .workloads import WORKLOADS, Targets, Workload, get_workload
 
 __all__ = [
+    "MODES",
     "WORKLOADS",
     "BenchConfig",
     "BenchResult",
     "Ceilings",
+    "HostTiming",
+    "Mode",
     "PathResult",
     "TargetResult",
     "Targets",

@@ -16,8 +16,9 @@ from pathlib import Path
 import torch
 
 from .report import all_targets, from_json, render_markdown, summary_lines, write_json, write_report
-from .results import BenchResult
+from .results import MODES, BenchResult, Mode
 from .runner import DEFAULT_ITERS, DEFAULT_TIME_BUDGET_S, DEFAULT_WARMUP, BenchConfig, run_benchmark
+from .timing import HOST_REPEATS, MAX_HOST_CALLS
 from .workloads import WORKLOADS, Workload, get_workload, workload_names
 
 MIN_ITERS = 30
@@ -35,6 +36,24 @@ def _workloads(text: str) -> tuple[Workload, ...]:
         return tuple(get_workload(name) for name in _names(text))
     except ValueError as exc:
         raise argparse.ArgumentTypeError(str(exc)) from None
+
+
+def parse_modes(text: str) -> tuple[Mode, ...]:
+    """``host,latency`` -> the modes in their canonical order; unknown or no names refused."""
+    names = _names(text)
+    unknown = [n for n in names if n not in MODES]
+    if unknown or not names:
+        raise argparse.ArgumentTypeError(
+            f"unknown mode(s) {', '.join(unknown) or '(none given)'}; known: {','.join(MODES)}"
+        )
+    return tuple(m for m in MODES if m in names)
+
+
+def _positive(text: str) -> int:
+    value = _non_negative(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"expected an integer >= 1, got {value}")
+    return value
 
 
 def _iters(text: str) -> int:
@@ -70,9 +89,12 @@ def _seconds(text: str) -> float:
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     """Add the benchmark's options to ``parser``."""
     parser.description = (
-        "Benchmark the no-KV-cache prefill paths on a CUDA GPU: the public API, each backend "
-        "alone, attention without RoPE, the legacy copy-split + paged-cache path, padded SDPA "
-        "and torch varlen_attn; each checked against a float64 reference, then timed."
+        "Benchmark the no-KV-cache prefill paths on a CUDA GPU: the public API against the raw "
+        "kernel it wraps (host µs, latency, throughput, CUDA-graph replay), each backend "
+        "alone, attention without RoPE, the legacy copy-split + paged-cache path with each "
+        "RoPE it could use, padded SDPA and torch varlen_attn; each checked against a float64 "
+        "reference, then timed. Every workload in every mode takes about a minute on one "
+        "H200 once flashinfer's kernels are compiled; --time-budget-s bounds it."
     )
     parser.add_argument(
         "--out",
@@ -93,6 +115,24 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         f"{','.join(workload_names())})",
     )
     parser.add_argument(
+        "--modes",
+        dest="bench_modes",
+        metavar="MODES",
+        type=parse_modes,
+        default=MODES,
+        help="comma-separated timing modes (default: all: "
+        f"{','.join(MODES)}). throughput times every path back-to-back; latency and host time "
+        "the public API and the raw kernel; graph adds CUDA-graph replay rows",
+    )
+    parser.add_argument(
+        "--host-repeats",
+        dest="bench_host_repeats",
+        metavar="N",
+        type=_positive,
+        default=HOST_REPEATS,
+        help=f"host mode: repeats of the timed calls, median reported (default {HOST_REPEATS})",
+    )
+    parser.add_argument(
         "--backends",
         dest="bench_backends",
         metavar="NAMES",
@@ -107,8 +147,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         metavar="N",
         type=_iters,
         default=DEFAULT_ITERS,
-        help=f"timed calls per path, median reported (default {DEFAULT_ITERS}, at least "
-        f"{MIN_ITERS})",
+        help=f"timed calls per path and mode, median reported (default {DEFAULT_ITERS}, at "
+        f"least {MIN_ITERS}); host mode times this many calls in a row, at most "
+        f"{MAX_HOST_CALLS}",
     )
     parser.add_argument(
         "--warmup",
@@ -208,6 +249,8 @@ def run(args: argparse.Namespace) -> int:
         backends=frozenset(backends) if backends is not None else None,
         seed=args.bench_seed,
         command=_command_line(sys.argv),
+        modes=args.bench_modes,
+        host_repeats=args.bench_host_repeats,
     )
 
     def checkpoint(partial: BenchResult) -> None:

@@ -6,15 +6,18 @@ tables) and returns a `PreparedPath` whose ``run(qkv)`` is the per-layer step th
 produces and returns ``[tokens, Hq * D]``. Every path computes the same function, RoPE
 included when the spec has it, so every path is checked against the same float64 reference.
 
-The public-API paths rotate the caller's buffer in place (that is the contract). The timed calls
-therefore rotate their input again on each call: the values change, the work does not. The other
-paths leave their input untouched.
+The public-API paths and the raw kernel rotate the caller's buffer in place (that is the
+contract). The timed calls therefore rotate their input again on each call: the values change,
+the work does not. The other paths leave their input untouched.
+
+This module holds the shared pieces, the public API, padded SDPA and ``varlen_attn``; the
+legacy path is in `legacy`, the raw kernel in `raw`, graph replay in `graphs`.
 """
 
 from __future__ import annotations
 
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 import torch
@@ -29,7 +32,7 @@ RaggedKernel = Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor
 """``(q [T, Hq, D], k [T, Hkv, D], v [T, Hkv, D]) -> [T, Hq, D]`` over the batch's sequences."""
 
 FLASHINFER_WORKSPACE_BYTES = 128 << 20
-CACHE_BLOCK = 64
+TORCH_OUT_OF_PLACE = "torch ops, out of place (Hugging Face style)"
 
 
 @dataclass(frozen=True)
@@ -46,6 +49,21 @@ class Skip:
     """The path cannot run here (library missing, backend refuses the spec); not an error."""
 
     reason: str
+
+
+@dataclass(frozen=True)
+class Unsupported:
+    """Graph mode is not served here (the backend or its RoPE pass cannot be replayed)."""
+
+    reason: str
+
+
+def refusal_text(exc: NoBackendError, backend: str | None) -> str:
+    """The reasons ``backend`` gave (all of the message for an automatic choice)."""
+    if backend is None:
+        return str(exc)
+    reasons = [str(r) for name, rs in exc.reasons if name == backend for r in rs]
+    return "; ".join(reasons) if reasons else str(exc)
 
 
 # --- RoPE the way an engine without the contract does it: torch ops on Q/K copies ----------
@@ -108,13 +126,13 @@ def rotate_(x: torch.Tensor, t: RopeTables) -> None:
 def with_batch_preprocess(details: dict[str, str], batch_mode: str) -> dict[str, str]:
     """The record with ``preprocess`` set to what this batch runs; a per-batch policy (fused
     RoPE up to some length) moves to ``preprocess_policy``."""
-    if details.get("preprocess") == batch_mode:
+    policy = details.get("preprocess")
+    if policy == batch_mode:
         return details
-    return {
-        **details,
-        "preprocess": batch_mode,
-        "preprocess_policy": details.get("preprocess", "?"),
-    }
+    out = {**details, "preprocess": batch_mode}
+    if policy is not None:
+        out["preprocess_policy"] = policy
+    return out
 
 
 def build_public(
@@ -123,8 +141,14 @@ def build_public(
     *,
     backend: str | None,
     prepare_iters: int = 10,
+    buffers: Sequence[torch.Tensor] = (),
 ) -> PreparedPath | Skip:
     """``select`` (auto when ``backend`` is None) + ``prepare``; ``run`` is ``forward``.
+
+    Each of ``buffers`` (the timed input sets) gets a plan of its own, prepared here: an engine
+    hands ``forward`` the same QKV buffer layer after layer, and a plan checks a buffer once
+    and remembers it, so one plan per buffer is that steady state while the timed calls still
+    rotate buffers past the L2. Any other buffer uses one shared plan.
 
     An explicitly named backend that refuses the spec is a `Skip` carrying its reasons; the
     automatic choice failing is an error.
@@ -136,8 +160,7 @@ def build_public(
     except NoBackendError as exc:
         if backend is None:
             raise
-        reasons = [str(r) for name, rs in exc.reasons if name == backend for r in rs]
-        return Skip("; ".join(reasons) if reasons else str(exc))
+        return Skip(refusal_text(exc, backend))
     select_ms = (time.perf_counter() - t0) * 1e3
     impl = selection.backend
     details = dict(selection.details)
@@ -147,84 +170,48 @@ def build_public(
     prepare_ms = time_host(lambda: impl.prepare(params), iters=prepare_iters, device=params.device)
     plan = impl.prepare(params)
     details = with_batch_preprocess(details, plan.preprocess)
+    plans = {buffer.data_ptr(): impl.prepare(params) for buffer in buffers}
 
     def run(qkv: torch.Tensor) -> torch.Tensor:
-        return impl.forward(qkv, plan)
+        return impl.forward(qkv, plans.get(qkv.data_ptr(), plan))
 
     return PreparedPath(run, selection.name, details, prepare_ms, select_ms)
 
 
-# --- (d): the legacy path: copy-split, RoPE on the copies, paged cache write, kernel -------
-
-
-@dataclass(frozen=True, eq=False)
-class PagedCache:
-    """A paged KV cache ``[num_blocks, 2, block, Hkv, D]`` and where each token's K/V go."""
-
-    tensor: torch.Tensor
-    k_slots: torch.Tensor
-    """int64 ``[tokens]`` row of each token's K in ``rows()``; its V is ``block`` rows later."""
-    v_slots: torch.Tensor
-    block: int
-
-    def rows(self) -> torch.Tensor:
-        """The cache as ``[num_blocks * 2 * block, Hkv, D]`` rows (a view)."""
-        return self.tensor.flatten(0, 2)
-
-    def write(self, k: torch.Tensor, v: torch.Tensor) -> None:
-        rows = self.rows()
-        rows.index_copy_(0, self.k_slots, k)
-        rows.index_copy_(0, self.v_slots, v)
-
-
-def paged_cache(spec: AttentionSpec, params: FMHAParams, block: int = CACHE_BLOCK) -> PagedCache:
-    """Blocks handed out in order, ``ceil(L / block)`` per sequence."""
-    k_slots: list[torch.Tensor] = []
-    first = 0
-    for length in params.input_lengths:
-        pos = torch.arange(length, dtype=torch.int64)
-        blocks = first + pos // block
-        k_slots.append(blocks * (2 * block) + pos % block)
-        first += -(-length // block)
-    tensor = torch.empty(
-        max(1, first),
-        2,
-        block,
-        spec.num_kv_heads,
-        spec.head_dim,
-        dtype=spec.dtype,
-        device=params.device,
-    )
-    k = torch.cat(k_slots).to(params.device)
-    return PagedCache(tensor, k, k + block, block)
+# --- flashinfer's ragged kernel, as the legacy path and the raw baseline call it ----------
 
 
 FA3_HEAD_DIMS = frozenset({64, 128, 256})
 
 
-def flashinfer_kernel_name(spec: AttentionSpec, device: torch.device) -> str:
-    """fa3 where flashinfer has it (Hopper, 16-bit, head dim 64/128/256), else its own choice.
-
-    Named explicitly so that the legacy path loads the very module the ``flashinfer`` backend
-    loads (and a prebuild compiled), never a second one chosen by ``auto``.
-    """
+def flashinfer_kernel_name(
+    spec: AttentionSpec, device: torch.device, *, fused_rope: bool = False
+) -> str:
+    """fa3 where flashinfer has it (sm90, 16-bit, head dim 64/128/256, no fused RoPE), else fa2:
+    the choice the ``flashinfer`` backends make, so that every path loads the very module the
+    backend loads (and a prebuild compiled), never a second one chosen by ``auto``."""
     hopper = device.type == "cuda" and torch.cuda.get_device_capability(device) == (9, 0)
     sixteen_bit = spec.dtype in (torch.float16, torch.bfloat16)
-    return "fa3" if hopper and sixteen_bit and spec.head_dim in FA3_HEAD_DIMS else "auto"
+    fa3 = hopper and sixteen_bit and spec.head_dim in FA3_HEAD_DIMS and not fused_rope
+    return "fa3" if fa3 else "fa2"
 
 
-def flashinfer_ragged(spec: AttentionSpec, params: FMHAParams) -> RaggedKernel | Skip:
-    """flashinfer's ragged prefill kernel, planned for this batch (the kernel the backend uses)."""
+def flashinfer_ragged(
+    spec: AttentionSpec, params: FMHAParams, *, fused_rope: bool = False
+) -> RaggedKernel | Skip:
+    """flashinfer's ragged prefill kernel, planned for this batch (the kernel the backend uses),
+    with RoPE in the kernel (``ROPE_LLAMA``, fa2) when ``fused_rope``; ``run`` is the wrapper's
+    own bound method, with nothing of ours around it."""
     try:
         import flashinfer  # untyped GPU library: its objects are Any
     except ImportError as exc:
         return Skip(f"flashinfer is not installed ({exc})")
 
     workspace = torch.empty(FLASHINFER_WORKSPACE_BYTES, dtype=torch.uint8, device=params.device)
-    wrapper = flashinfer.BatchPrefillWithRaggedKVCacheWrapper(
-        workspace, "NHD", backend=flashinfer_kernel_name(spec, params.device)
-    )
+    name = flashinfer_kernel_name(spec, params.device, fused_rope=fused_rope)
+    wrapper = flashinfer.BatchPrefillWithRaggedKVCacheWrapper(workspace, "NHD", backend=name)
     indptr = torch.tensor(params.cu_seqlens_host, dtype=torch.int32)  # host: plan reads it there
+    rope_theta = spec.rope.theta if fused_rope and spec.rope is not None else None
     wrapper.plan(
         indptr,
         indptr,
@@ -232,57 +219,16 @@ def flashinfer_ragged(spec: AttentionSpec, params: FMHAParams) -> RaggedKernel |
         spec.num_kv_heads,
         spec.head_dim,
         causal=spec.causal,
+        pos_encoding_mode="ROPE_LLAMA" if fused_rope else "NONE",
         sm_scale=spec.scale,
+        rope_scale=1.0 if fused_rope else None,
+        rope_theta=rope_theta,
         q_data_type=spec.dtype,
         kv_data_type=spec.dtype,
+        o_data_type=spec.output_dtype,
     )
-
-    def kernel(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-        out: torch.Tensor = wrapper.run(q, k, v)
-        return out
-
+    kernel: RaggedKernel = wrapper.run
     return kernel
-
-
-def build_legacy(
-    spec: AttentionSpec,
-    params: FMHAParams,
-    tables: RopeTables | None,
-    kernel: RaggedKernel,
-    cache: PagedCache | None = None,
-    details: dict[str, str] | None = None,
-) -> PreparedPath:
-    """What a chat engine does with an embedding batch when it has no no-cache path.
-
-    Per layer: copy Q, K and V out of the packed rows into new dense ``[T, H, D]`` buffers
-    (the layout the kernel reads; a head-major transpose moves the same bytes), rotate the
-    Q/K copies in place with torch ops, write K/V into a paged cache nobody reads, then run
-    the ragged kernel on the copies.
-    """
-    kv_cache = cache if cache is not None else paged_cache(spec, params)
-    tokens = params.token_q_num
-
-    def run(qkv: torch.Tensor) -> torch.Tensor:
-        q, k, v = split_views(qkv, spec, tokens)
-        q, k, v = q.contiguous(), k.contiguous(), v.contiguous()
-        if tables is not None:
-            rotate_(q, tables)
-            rotate_(k, tables)
-        kv_cache.write(k, v)
-        return kernel(q, k, v).reshape(tokens, spec.q_width)
-
-    return PreparedPath(run, details={**(details or {}), "cache_block": str(kv_cache.block)})
-
-
-def build_legacy_flashinfer(
-    spec: AttentionSpec, params: FMHAParams, tables: RopeTables | None
-) -> PreparedPath | Skip:
-    """The legacy path on flashinfer's ragged kernel; a `Skip` when flashinfer is missing."""
-    kernel = flashinfer_ragged(spec, params)
-    if isinstance(kernel, Skip):
-        return kernel
-    name = flashinfer_kernel_name(spec, params.device)
-    return build_legacy(spec, params, tables, kernel, details={"flashinfer_backend": name})
 
 
 # --- (e): Hugging Face style padded SDPA --------------------------------------------------
@@ -336,7 +282,13 @@ def build_padded_sdpa(
         )
         return out.transpose(1, 2).reshape(batch * longest, spec.q_width).index_select(0, index)
 
-    return PreparedPath(run, details={"mask": f"bool [{batch}, 1, {longest}, {longest}]"})
+    return PreparedPath(
+        run,
+        details={
+            "mask": f"bool [{batch}, 1, {longest}, {longest}]",
+            "rope": TORCH_OUT_OF_PLACE if tables is not None else "none",
+        },
+    )
 
 
 # --- (f): torch.nn.attention.varlen.varlen_attn -------------------------------------------
@@ -367,4 +319,10 @@ def build_varlen(
         assert isinstance(out, torch.Tensor)  # a tuple only when return_aux asks for the LSE
         return out.reshape(tokens, spec.q_width)
 
-    return PreparedPath(run, details={"window_size": str(window)})
+    return PreparedPath(
+        run,
+        details={
+            "window_size": str(window),
+            "rope": TORCH_OUT_OF_PLACE if tables is not None else "none",
+        },
+    )

@@ -2,6 +2,12 @@
 
 Everything here is plain data and pure functions, so a report can be rebuilt from the JSON of an
 earlier run on a machine without a GPU.
+
+Four modes time the same calls differently, each telling another truth (`Mode`): throughput
+(CUDA events around back-to-back calls: the GPU queue hides host time), latency (a sync before
+and after each call: what one small request waits), host (wall-clock microseconds of the call
+itself, no sync: what the engine's CPU pays per layer) and graph (the public API captured in a
+CUDA graph, replayed).
 """
 
 from __future__ import annotations
@@ -13,19 +19,31 @@ from typing import Literal
 
 from .workloads import Targets
 
-PathKind = Literal["api", "backend", "attention-alone", "legacy", "padded-sdpa", "varlen-attn"]
-PathStatus = Literal["ok", "wrong", "error", "skipped"]
+PathKind = Literal[
+    "api", "raw", "graph", "backend", "attention-alone", "legacy", "padded-sdpa", "varlen-attn"
+]
+PathStatus = Literal["ok", "wrong", "error", "skipped", "unsupported"]
+"""``skipped``: the path cannot run here (a library is missing, a named backend refuses the
+spec); ``unsupported``: graph mode is not served by that backend (the note says why)."""
 TargetStatus = Literal["PASS", "FAIL", "N/A"]
+Mode = Literal["throughput", "latency", "host", "graph"]
+Unit = Literal["x", "us"]
+"""How a target's value reads: a ratio, or a difference in microseconds."""
 
 PATH_KINDS: tuple[PathKind, ...] = (
     "api",
+    "raw",
+    "graph",
     "backend",
     "attention-alone",
     "legacy",
     "padded-sdpa",
     "varlen-attn",
 )
-PATH_STATUSES: tuple[PathStatus, ...] = ("ok", "wrong", "error", "skipped")
+PATH_STATUSES: tuple[PathStatus, ...] = ("ok", "wrong", "error", "skipped", "unsupported")
+MODES: tuple[Mode, ...] = ("throughput", "latency", "host", "graph")
+ENGINE_KINDS: frozenset[PathKind] = frozenset({"api", "raw", "graph"})
+"""Paths timed in every mode; the others are timed back-to-back only (throughput)."""
 
 
 @dataclass(frozen=True)
@@ -50,7 +68,8 @@ class Ceilings:
 
 @dataclass(frozen=True)
 class Timing:
-    """Per-call times of one path, in milliseconds, from CUDA events."""
+    """Per-call times of one path, in milliseconds: CUDA events around each back-to-back call
+    (throughput), or the wall clock between a sync before and a sync after it (latency)."""
 
     median_ms: float
     p10_ms: float
@@ -74,6 +93,31 @@ class Timing:
 
 
 @dataclass(frozen=True)
+class HostTiming:
+    """Host wall-clock time of one call, no sync inside a repeat: the CPU's cost per layer.
+
+    Each repeat times ``calls`` calls in a row and divides; the device is synchronised between
+    repeats, so the queue of launched work never fills and never blocks a launch."""
+
+    median_us: float
+    """Median over the repeats of the mean per-call time."""
+    min_us: float
+    max_us: float
+    calls: int
+    """Calls per repeat."""
+    repeats: int
+
+    def to_dict(self) -> dict[str, object]:
+        return {
+            "median_us": self.median_us,
+            "min_us": self.min_us,
+            "max_us": self.max_us,
+            "calls": self.calls,
+            "repeats": self.repeats,
+        }
+
+
+@dataclass(frozen=True)
 class PathResult:
     """One way of computing the workload's attention, checked and then timed."""
 
@@ -88,6 +132,14 @@ class PathResult:
     rel_error: float | None = None
     tolerance: float | None = None
     timing: Timing | None = None
+    """Throughput mode: back-to-back calls, CUDA events."""
+    latency: Timing | None = None
+    """Latency mode: each call between two syncs, wall clock (engine-view paths only)."""
+    host: HostTiming | None = None
+    """Host mode: the call's own CPU time, no sync (engine-view paths only)."""
+    matches_eager: bool | None = None
+    """Graph paths: whether the replayed output equals, bit for bit, the eager ``forward``
+    output of the same graph plan on the same input (valid rows)."""
     prepare_ms: float | None = None
     """Host time of ``prepare`` (once per batch), device work included."""
     select_ms: float | None = None
@@ -102,8 +154,16 @@ class PathResult:
 
     @property
     def usable(self) -> bool:
-        """Correct and timed: the only results comparisons are made from."""
+        """Correct and timed back-to-back: the only results throughput comparisons use."""
         return self.status == "ok" and self.timing is not None
+
+    @property
+    def latency_ms(self) -> float | None:
+        return self.latency.median_ms if self.latency is not None else None
+
+    @property
+    def host_us(self) -> float | None:
+        return self.host.median_us if self.host is not None else None
 
     def to_dict(self) -> dict[str, object]:
         return {
@@ -116,6 +176,9 @@ class PathResult:
             "rel_error": self.rel_error,
             "tolerance": self.tolerance,
             "timing": self.timing.to_dict() if self.timing is not None else None,
+            "latency": self.latency.to_dict() if self.latency is not None else None,
+            "host": self.host.to_dict() if self.host is not None else None,
+            "matches_eager": self.matches_eager,
             "prepare_ms": self.prepare_ms,
             "select_ms": self.select_ms,
             "note": self.note,
@@ -137,6 +200,8 @@ class WorkloadResult:
     paths: tuple[PathResult, ...]
     elapsed_s: float = 0.0
     note: str | None = None
+    modes: tuple[Mode, ...] = MODES
+    """The modes this workload was measured in; targets of the others are N/A."""
 
     @property
     def tokens(self) -> int:
@@ -168,6 +233,7 @@ class WorkloadResult:
             "paths": [p.to_dict() for p in self.paths],
             "elapsed_s": self.elapsed_s,
             "note": self.note,
+            "modes": list(self.modes),
         }
 
 
@@ -224,154 +290,79 @@ def path_metrics(work: WorkloadResult, path: PathResult, ceilings: Ceilings | No
     if ms is None or ms <= 0:
         return PathMetrics(None, None, None, None)
     floor = floor_ms(work.flops, work.bytes, ceilings) if ceilings is not None else None
-    legacy = work.get("legacy")
+    legacy = work.fastest("legacy")
     padded = work.get("padded-sdpa")
-    legacy_ms = legacy.ms if legacy is not None and legacy.usable else None
     padded_ms = padded.ms if padded is not None and padded.usable else None
     return PathMetrics(
         tflops=tflops(work.flops, ms),
         floor_ratio=ms / floor if floor else None,
-        vs_legacy=legacy_ms / ms if legacy_ms is not None else None,
+        vs_legacy=_ms(legacy) / ms if legacy is not None else None,
         vs_padded=padded_ms / ms if padded_ms is not None else None,
     )
 
 
-# --- targets -------------------------------------------------------------------------------
+# --- the engine's view: the public API against the raw kernel it wraps ----------------------
+
+
+def _ratio(a: float | None, b: float | None) -> float | None:
+    return a / b if a is not None and b is not None and b > 0 else None
+
+
+def _difference(a: float | None, b: float | None) -> float | None:
+    return a - b if a is not None and b is not None else None
+
+
+def _correct(p: PathResult | None) -> PathResult | None:
+    return p if p is not None and p.status == "ok" else None
 
 
 @dataclass(frozen=True)
-class TargetResult:
-    workload: str
-    target: str
-    description: str
-    value: float | None
-    threshold: float
-    op: Literal["<=", ">="]
-    status: TargetStatus
-    note: str = ""
+class EngineView:
+    """The public API against the raw kernel call it wraps, in each mode, and its graph replay.
 
-    def to_dict(self) -> dict[str, object]:
+    A value is None where either side is missing, wrong or was not timed in that mode."""
+
+    host_overhead_us: float | None
+    """API host µs - raw host µs per call."""
+    latency_ratio: float | None
+    """API latency / raw latency."""
+    throughput_ratio: float | None
+    """API ms / raw ms, back-to-back."""
+    graph_latency_ratio: float | None
+    """The API's graph replay latency / raw (eager) latency."""
+    graph_host_us: float | None
+
+    def to_dict(self) -> dict[str, float | None]:
         return {
-            "workload": self.workload,
-            "target": self.target,
-            "description": self.description,
-            "value": self.value,
-            "threshold": self.threshold,
-            "op": self.op,
-            "status": self.status,
-            "note": self.note,
+            "host_overhead_us": self.host_overhead_us,
+            "latency_ratio": self.latency_ratio,
+            "throughput_ratio": self.throughput_ratio,
+            "graph_latency_ratio": self.graph_latency_ratio,
+            "graph_host_us": self.graph_host_us,
         }
 
 
-def _judge(value: float, threshold: float, op: Literal["<=", ">="]) -> TargetStatus:
-    ok = value <= threshold if op == "<=" else value >= threshold
-    return "PASS" if ok else "FAIL"
-
-
-def _why_unusable(p: PathResult | None, what: str) -> str:
-    if p is None:
-        return f"{what} was not run"
-    if p.status == "ok":
-        return f"{what} has no timing"
-    return f"{what} is {p.status.upper()}" + (f": {p.note}" if p.note else "")
-
-
-def _ratio_target(
-    work: WorkloadResult,
-    name: str,
-    description: str,
-    threshold: float,
-    op: Literal["<=", ">="],
-    numerator: PathResult | None,
-    denominator: PathResult | None,
-    num_what: str,
-    den_what: str,
-) -> TargetResult:
-    api = work.get("api")
-    if api is None or not api.usable:
-        # The public API failing is the failure the target exists to catch, never "N/A".
-        return TargetResult(
-            work.name,
-            name,
-            description,
-            None,
-            threshold,
-            op,
-            "FAIL",
-            _why_unusable(api, "the public API path"),
-        )
-    for p, what in ((numerator, num_what), (denominator, den_what)):
-        if p is None or not p.usable:
-            return TargetResult(
-                work.name, name, description, None, threshold, op, "N/A", _why_unusable(p, what)
-            )
-    assert numerator is not None and denominator is not None
-    value = _ms(numerator) / _ms(denominator)
-    return TargetResult(
-        work.name, name, description, value, threshold, op, _judge(value, threshold, op)
+def engine_view(work: WorkloadResult) -> EngineView:
+    api = _correct(work.get("api"))
+    raw = _correct(work.get("raw"))
+    graph = _correct(work.get("graph"))
+    api_ms = api.ms if api is not None else None
+    raw_ms = raw.ms if raw is not None else None
+    return EngineView(
+        host_overhead_us=_difference(
+            api.host_us if api is not None else None, raw.host_us if raw is not None else None
+        ),
+        latency_ratio=_ratio(
+            api.latency_ms if api is not None else None,
+            raw.latency_ms if raw is not None else None,
+        ),
+        throughput_ratio=_ratio(api_ms, raw_ms),
+        graph_latency_ratio=_ratio(
+            graph.latency_ms if graph is not None else None,
+            raw.latency_ms if raw is not None else None,
+        ),
+        graph_host_us=graph.host_us if graph is not None else None,
     )
-
-
-def evaluate_targets(work: WorkloadResult) -> list[TargetResult]:
-    """Every target that applies to ``work``, judged from its paths."""
-    t = work.targets
-    api = work.get("api")
-    out = [
-        _ratio_target(
-            work,
-            "api-vs-fastest",
-            "public API / fastest correct backend",
-            t.api_within,
-            "<=",
-            api,
-            work.fastest("backend"),
-            "the public API path",
-            "every backend path",
-        )
-    ]
-    if t.legacy_speedup is not None:
-        out.append(
-            _ratio_target(
-                work,
-                "legacy-speedup",
-                "legacy / public API",
-                t.legacy_speedup,
-                ">=",
-                work.get("legacy"),
-                api,
-                "the legacy path",
-                "the public API path",
-            )
-        )
-    if t.padded_speedup is not None:
-        out.append(
-            _ratio_target(
-                work,
-                "padded-speedup",
-                "padded SDPA / public API",
-                t.padded_speedup,
-                ">=",
-                work.get("padded-sdpa"),
-                api,
-                "the padded SDPA path",
-                "the public API path",
-            )
-        )
-    if t.rope_overhead is not None:
-        out.append(
-            _ratio_target(
-                work,
-                "rope-overhead",
-                "public API (RoPE + attention) / attention alone",
-                t.rope_overhead,
-                "<=",
-                api,
-                work.fastest("attention-alone"),
-                "the public API path",
-                "every attention-alone path",
-            )
-        )
-    return out
 
 
 @dataclass(frozen=True)

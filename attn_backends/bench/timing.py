@@ -1,8 +1,15 @@
-"""Timing: CUDA events around each call, median after warm-up, inputs rotated past the L2.
+"""Timing in three modes, median after warm-up, inputs rotated past the L2.
 
 Each timed call gets the next of several input buffers, so it never finds its input in the L2
-cache the previous call left warm. Events are recorded around every call, so the median is of
-per-call times (host launch gaps included, as an engine running layer after layer sees them).
+cache the previous call left warm.
+
+* throughput (`time_steps`): CUDA events around each of many back-to-back calls; the median is
+  of per-call times (host launch gaps included, as an engine running layer after layer sees
+  them, but hidden whenever the GPU queue runs ahead of the host).
+* latency (`time_latency`): a sync before and after each call, wall clock in between: what one
+  small request waits, host work and kernel together.
+* host (`time_host_calls`): wall clock around ``calls`` calls with no sync, divided by
+  ``calls``; the device is synchronised between repeats so the queue never fills.
 """
 
 from __future__ import annotations
@@ -10,14 +17,19 @@ from __future__ import annotations
 import math
 import statistics
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 
 import torch
 
-from .results import Ceilings, Timing
+from .results import Ceilings, HostTiming, Timing
 
 MIN_INPUT_SETS = 3
 MAX_INPUT_SETS = 16
+HOST_REPEATS = 7
+MAX_HOST_CALLS = 100
+"""Calls per host-mode repeat at most: each call queues a few launches, and a repeat must stay
+well below the driver's launch queue (about a thousand entries), or a launch would wait for the
+device and the host time would read as kernel time."""
 
 
 def _percentile(sorted_values: list[float], q: float) -> float:
@@ -47,42 +59,120 @@ def input_set_count(set_bytes: int, device: torch.device) -> int:
     return min(MAX_INPUT_SETS, max(MIN_INPUT_SETS, needed))
 
 
-def time_steps(
-    step: Callable[[int], object],
-    *,
-    iters: int,
-    warmup: int,
-    device: torch.device,
-    input_sets: int,
-) -> Timing:
-    """Time ``step(i)`` for ``iters`` calls after ``warmup`` calls; ``i`` picks the input set.
+Step = Callable[[int], object]
+"""One timed call; its argument picks the input set (``i % sets``)."""
 
-    On a CPU device (only for smoke tests of the harness) wall-clock time is used instead.
-    """
+
+def warm(step: Step, *, first: int, count: int) -> None:
+    """Untimed calls ``step(first)`` .. ``step(first + count - 1)``."""
+    for i in range(first, first + count):
+        step(i)
+
+
+def event_block(step: Step, *, first: int, count: int, device: torch.device) -> list[float]:
+    """ms of each of ``count`` back-to-back calls from ``step(first)``: CUDA events around each
+    (wall clock off CUDA, only for smoke tests of the harness)."""
+    if device.type != "cuda":
+        samples: list[float] = []
+        for i in range(first, first + count):
+            t0 = time.perf_counter()
+            step(i)
+            samples.append((time.perf_counter() - t0) * 1e3)
+        return samples
+    with torch.cuda.device(device):
+        starts = [torch.Event(device, enable_timing=True) for _ in range(count)]
+        ends = [torch.Event(device, enable_timing=True) for _ in range(count)]
+        torch.cuda.synchronize(device)
+        for k in range(count):
+            starts[k].record()
+            step(first + k)
+            ends[k].record()
+        torch.cuda.synchronize(device)
+        return [s.elapsed_time(e) for s, e in zip(starts, ends, strict=True)]
+
+
+def latency_block(step: Step, *, first: int, count: int, device: torch.device) -> list[float]:
+    """Wall-clock ms of each of ``count`` calls, each from a synchronised device to the end of
+    its work."""
+    samples: list[float] = []
+    for i in range(first, first + count):
+        synchronize(device)
+        t0 = time.perf_counter()
+        step(i)
+        synchronize(device)
+        samples.append((time.perf_counter() - t0) * 1e3)
+    return samples
+
+
+def host_block(step: Step, *, first: int, calls: int, device: torch.device) -> float:
+    """Seconds of ``calls`` calls in a row with no sync, started on an empty device queue."""
+    synchronize(device)  # an empty queue: no launch waits for the device
+    t0 = time.perf_counter()
+    for i in range(first, first + calls):
+        step(i)
+    elapsed = time.perf_counter() - t0
+    synchronize(device)
+    return elapsed
+
+
+def time_steps(
+    step: Step, *, iters: int, warmup: int, device: torch.device, input_sets: int
+) -> Timing:
+    """Throughput of one path: ``iters`` back-to-back calls after ``warmup`` (`event_block`)."""
     if iters < 1:
         raise ValueError(f"iters must be >= 1, got {iters}")
-    if device.type != "cuda":
-        for i in range(warmup):
-            step(i)
-        samples: list[float] = []
-        for i in range(iters):
-            t0 = time.perf_counter()
-            step(warmup + i)
-            samples.append((time.perf_counter() - t0) * 1e3)
-        return summarize(samples, warmup=warmup, input_sets=input_sets)
-    with torch.cuda.device(device):
-        starts = [torch.Event(device, enable_timing=True) for _ in range(iters)]
-        ends = [torch.Event(device, enable_timing=True) for _ in range(iters)]
-        for i in range(warmup):
-            step(i)
-        torch.cuda.synchronize(device)
-        for i in range(iters):
-            starts[i].record()
-            step(warmup + i)
-            ends[i].record()
-        torch.cuda.synchronize(device)
-        samples = [s.elapsed_time(e) for s, e in zip(starts, ends, strict=True)]
+    warm(step, first=0, count=warmup)
+    samples = event_block(step, first=warmup, count=iters, device=device)
     return summarize(samples, warmup=warmup, input_sets=input_sets)
+
+
+def time_latency(
+    step: Step, *, iters: int, warmup: int, device: torch.device, input_sets: int
+) -> Timing:
+    """Latency of one path: ``iters`` synchronised calls after ``warmup`` (`latency_block`)."""
+    if iters < 1:
+        raise ValueError(f"iters must be >= 1, got {iters}")
+    warm(step, first=0, count=warmup)
+    samples = latency_block(step, first=warmup, count=iters, device=device)
+    return summarize(samples, warmup=warmup, input_sets=input_sets)
+
+
+def host_calls(iters: int) -> int:
+    """Calls per host-mode repeat: ``iters``, at most `MAX_HOST_CALLS`."""
+    return max(1, min(iters, MAX_HOST_CALLS))
+
+
+def host_timing(elapsed_s: Sequence[float], calls: int) -> HostTiming:
+    """Per-call µs of repeats that each took ``elapsed_s[r]`` seconds for ``calls`` calls."""
+    if calls < 1 or not elapsed_s:
+        raise ValueError(f"need at least one repeat of at least one call, got {calls} calls")
+    per_call = sorted(t / calls * 1e6 for t in elapsed_s)
+    return HostTiming(
+        median_us=statistics.median(per_call),
+        min_us=per_call[0],
+        max_us=per_call[-1],
+        calls=calls,
+        repeats=len(per_call),
+    )
+
+
+def time_host_calls(
+    step: Step,
+    *,
+    calls: int,
+    repeats: int = HOST_REPEATS,
+    warmup: int,
+    device: torch.device,
+) -> HostTiming:
+    """Host µs per ``step(i)``: ``calls`` calls in a row without a sync, ``repeats`` times."""
+    if repeats < 1:
+        raise ValueError(f"repeats must be >= 1, got {repeats}")
+    warm(step, first=0, count=warmup)
+    elapsed = [
+        host_block(step, first=warmup + r * calls, calls=calls, device=device)
+        for r in range(repeats)
+    ]
+    return host_timing(elapsed, calls)
 
 
 def synchronize(device: torch.device) -> None:

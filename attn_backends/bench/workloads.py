@@ -1,7 +1,9 @@
 """The benchmark workloads, as data, and the work each one represents (FLOPs and bytes).
 
-Each workload is one attention layer of a real embedding model on a typical batch. Variable
-lengths come from a seeded generator, so a run can be repeated exactly.
+Each workload is one attention layer of a real embedding model on a typical batch: document
+batches (thousands of tokens) and query batches (a few short requests, where the host time of
+each call decides what a request waits). Variable lengths come from a seeded generator, so a
+run can be repeated exactly.
 """
 
 from __future__ import annotations
@@ -17,6 +19,10 @@ from attn_backends._presets import PRESETS
 
 API_WITHIN = 1.05
 """Public API time over the fastest correct backend time, on every workload."""
+HOST_OVERHEAD_US = 5.0
+"""Host microseconds the public ``forward`` may add to the raw kernel call it wraps."""
+LATENCY_WITHIN = 1.05
+"""Public API latency (synchronised call) over the raw kernel's, on every workload."""
 
 
 @dataclass(frozen=True)
@@ -31,6 +37,10 @@ class Targets:
     """``padded SDPA ms / public API ms`` must be at least this."""
     rope_overhead: float | None = None
     """``public API ms (RoPE + attention) / attention alone ms`` must be at most this."""
+    host_overhead_us: float | None = HOST_OVERHEAD_US
+    """``public API host µs - raw kernel host µs`` per call must be at most this."""
+    latency_within: float | None = LATENCY_WITHIN
+    """``public API latency / raw kernel latency`` must be at most this."""
 
     def to_dict(self) -> dict[str, float | None]:
         return {
@@ -38,6 +48,8 @@ class Targets:
             "legacy_speedup": self.legacy_speedup,
             "padded_speedup": self.padded_speedup,
             "rope_overhead": self.rope_overhead,
+            "host_overhead_us": self.host_overhead_us,
+            "latency_within": self.latency_within,
         }
 
 
@@ -104,6 +116,27 @@ class Workload:
         }
 
 
+QUERY_BATCHES: tuple[tuple[int, int], ...] = ((1, 16), (4, 32), (16, 64))
+"""(sequences, tokens each) of the query-time batches: one short query, a few, a small burst."""
+
+
+def _query_workloads(model: str, title: str, preset: str, salt: int) -> tuple[Workload, ...]:
+    """The query batches of one model: fixed lengths, judged on the engine-view targets."""
+    return tuple(
+        Workload(
+            name=f"{model}-q{batch}x{length}",
+            title=f"{title} query {batch} x {length}",
+            batch=batch,
+            min_len=length,
+            max_len=length,
+            preset=preset,
+            targets=Targets(),
+            salt=salt + i,
+        )
+        for i, (batch, length) in enumerate(QUERY_BATCHES)
+    )
+
+
 # Ordered so that the workloads the targets speak about run first; the long GTE batch, with
 # the most expensive float64 reference, comes last and is the one a tight budget drops.
 WORKLOADS: tuple[Workload, ...] = (
@@ -146,6 +179,8 @@ WORKLOADS: tuple[Workload, ...] = (
         targets=Targets(legacy_speedup=2.0, rope_overhead=1.10),
         salt=3,
     ),
+    *_query_workloads("bge-m3", "BGE-M3", "bge-m3", salt=10),
+    *_query_workloads("qwen3-emb", "Qwen3-Embedding-0.6B", "qwen3-embedding-0.6b", salt=20),
     Workload(
         name="gte-qwen2-7b",
         title="GTE-Qwen2-7B-like",
