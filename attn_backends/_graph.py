@@ -122,6 +122,9 @@ class GraphPlan:
     whatever batch the last `update` planned. It is owned by the caller that captured it; a
     second caller gets its own with ``prepare_graph``. ``forward`` returns ``max_tokens`` rows;
     the first ``token_q_num`` are the batch's output, the rest belong to padding.
+
+    Keep the plan alive as long as any graph captured with it: the graph replays reads of the
+    plan's device buffers, which are freed (and reused by the allocator) when it is dropped.
     """
 
     def __init__(

@@ -93,6 +93,12 @@ def test_one_wrapper_replanned_in_place_serves_every_batch(fake):
         assert plan.rope_cu.tolist()[-1] == tokens
     assert len(fake.named(INIT)) == 1, "no new wrapper, so no re-capture"
     assert len(fake.named(PLAN)) == 1 + 5
+    assert all(call.args["disable_split_kv"] is True for call in fake.named(PLAN)), (
+        "graph plans keep split-KV off: its buffers are sized for the bucket's worst case"
+    )
+    eager = ab.select(SPEC, backend="flashinfer", platform=SM90).backend
+    eager.prepare(ab.FMHAParams.from_lengths((9, 40), device="cpu"))
+    assert fake.named(PLAN)[-1].args["disable_split_kv"] is False
 
 
 def test_fused_rope_is_decided_once_per_bucket(fake):

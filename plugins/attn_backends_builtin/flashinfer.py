@@ -233,8 +233,17 @@ class FlashinferBackend(PrefillBackend):
         return is_aligned(rows)
 
     def _plan_wrapper(
-        self, wrapper: Any, spec: AttentionSpec, indptr: torch.Tensor, fused_rope: bool
+        self,
+        wrapper: Any,
+        spec: AttentionSpec,
+        indptr: torch.Tensor,
+        fused_rope: bool,
+        *,
+        graph: bool = False,
     ) -> str:
+        """Plan one batch on ``wrapper``. In graph mode split-KV is off: fa2 sizes its split
+        buffers for the bucket's worst case (804 MB for 16k rows of 16/8 x 128 on an H200,
+        past the 128 MiB workspace), and a plan must fit whatever batch the bucket holds."""
         mode = _pos_encoding(fused_rope)
         rope_theta = spec.rope.theta if fused_rope and spec.rope is not None else None
         wrapper.plan(
@@ -252,6 +261,7 @@ class FlashinferBackend(PrefillBackend):
             q_data_type=spec.dtype,
             kv_data_type=spec.dtype,
             o_data_type=spec.output_dtype,
+            disable_split_kv=graph,
         )
         return mode
 
@@ -297,7 +307,7 @@ class FlashinferBackend(PrefillBackend):
         if kernel.planned is not None:
             kernel.planned.wait()
         fused = kernel.pos_encoding_mode != "NONE"
-        self._plan_wrapper(kernel.wrapper, spec, host_indptr(slots), fused)
+        self._plan_wrapper(kernel.wrapper, spec, host_indptr(slots), fused, graph=True)
         kernel.planned = CompletionMarker(kernel.indptr.device)
 
     def attend(self, views: QKVViews, plan: AnyPlan) -> torch.Tensor:
