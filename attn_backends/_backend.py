@@ -170,8 +170,11 @@ class PrefillBackend(ABC):
             raise ParamsError(f"prepare_graph() takes a GraphBucket, got {type(bucket).__name__}")
         try:
             dev = torch.device(device if device is not None else "cuda")
-        except (RuntimeError, TypeError) as exc:
-            raise ParamsError(f"device {device!r} is not a torch device: {exc}") from None
+            if dev.type == "cuda" and dev.index is None:
+                # FMHAParams carry the indexed device their tensors landed on ("cuda:0").
+                dev = torch.device("cuda", torch.cuda.current_device())
+        except (RuntimeError, TypeError, AssertionError) as exc:
+            raise ParamsError(f"device {device!r} cannot hold a graph plan: {exc}") from None
         fused = self.capabilities.fuses_rope(spec, bucket.seqlen_limit)
         mode = resolve_preprocess(spec, platform_of(dev), fused).mode
         reasons = self.graph_reasons(spec, dev)

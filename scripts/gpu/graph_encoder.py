@@ -34,7 +34,7 @@ SPECS = {
         16, 8, 128, torch.bfloat16, True, rope=ab.RopeSpec(1e6)
     ),
 }
-BUCKET = ab.GraphBucket(max_tokens=256, max_batch=16)
+BUCKET = ab.GraphBucket(max_tokens=512, max_batch=16)
 BATCHES = [(16,), (9, 40, 3, 17), (8, 64, 8, 33) * 4]
 
 

@@ -1,6 +1,7 @@
 """A small whole encoder on the library's attention, for graph-mode checks and timings.
 
-Each layer: the fused QKV projection (one GEMM), attention through ``backend.forward`` on the
+Each layer (pre-norm, so values stay bounded through many layers): the fused QKV projection
+(one GEMM), attention through ``backend.forward`` on the
 packed QKV, the output projection, a GELU MLP, residuals. Shapes follow a spec; weights are
 seeded random bf16. The same object runs eagerly on any plan and inside a CUDA graph on a
 bucket's `GraphPlan`: the code path is identical, only the plan differs.
@@ -55,10 +56,10 @@ class TinyEncoder:
         for wqkv, wo, up, down in zip(
             self.qkv_weights, self.out_weights, self.up_weights, self.down_weights, strict=True
         ):
-            qkv = h @ wqkv
+            qkv = F.layer_norm(h, (self.hidden,)) @ wqkv
             attn = self.backend.forward(qkv, plan)
             h = h[: attn.shape[0]] + attn @ wo
-            h = h + F.gelu(h @ up) @ down
+            h = h + F.gelu(F.layer_norm(h, (self.hidden,)) @ up) @ down
         return h
 
 
