@@ -23,14 +23,6 @@ from ._errors import PlatformError
 PlatformKind = Literal["cpu", "cuda", "rocm"]
 PLATFORM_KINDS: tuple[PlatformKind, ...] = ("cpu", "cuda", "rocm")
 
-# Import name -> distribution name, for the optional libraries backends declare.
-KNOWN_LIBRARIES: dict[str, str] = {
-    "flashinfer": "flashinfer-python",
-    "aiter": "amd-aiter",
-    "tensorrt_llm": "tensorrt-llm",
-}
-
-
 @dataclass(frozen=True)
 class Platform:
     """A machine as the selector sees it.
@@ -84,7 +76,8 @@ def note_required_libraries(names: Iterable[str]) -> None:
 
     The registry calls this when a backend registers, so a third-party kernel library counts as
     present wherever the platform is detected (selection, ``attn-backends list``, the
-    conformance suite), not only for the few libraries in `KNOWN_LIBRARIES`.
+    conformance suite). The core names no library itself: what is probed is what backends
+    declare.
     """
     with _required_lock:
         _required.update(names)
@@ -109,8 +102,8 @@ def _present(import_name: str) -> bool:
 def _distribution_of(top: str) -> str:
     """The distribution that installs the top-level package ``top`` (first one), else ``top``.
 
-    Used for libraries outside `KNOWN_LIBRARIES`, whose distribution names are not known in
-    advance; cached, since it reads every installed distribution's file list once.
+    Used when the distribution is named otherwise than the package (``flashinfer`` ships as
+    ``flashinfer-python``); cached, since it reads every installed distribution's file list once.
     """
     try:
         found = importlib.metadata.packages_distributions().get(top)
@@ -122,14 +115,11 @@ def _distribution_of(top: str) -> str:
 @functools.lru_cache(maxsize=256)
 def _installed_version(import_name: str) -> str:
     top = import_name.partition(".")[0]
-    dist = KNOWN_LIBRARIES.get(top)
     try:
-        if dist is None:
-            try:
-                return importlib.metadata.version(top)
-            except importlib.metadata.PackageNotFoundError:
-                dist = _distribution_of(top)
-        return importlib.metadata.version(dist)
+        try:
+            return importlib.metadata.version(top)
+        except importlib.metadata.PackageNotFoundError:
+            return importlib.metadata.version(_distribution_of(top))
     except Exception:  # not found, or malformed metadata: present, version unknown
         return "unknown"
 
@@ -143,9 +133,7 @@ def _library_version(import_name: str) -> str | None:
     return _installed_version(import_name) if _present(import_name) else None
 
 
-def probe_libraries(
-    names: Iterable[str] = tuple(KNOWN_LIBRARIES),
-) -> tuple[tuple[str, str | None], ...]:
+def probe_libraries(names: Iterable[str] = ()) -> tuple[tuple[str, str | None], ...]:
     """Versions of the given optional libraries without importing them."""
     return tuple(sorted((name, _library_version(name)) for name in set(names)))
 
@@ -155,7 +143,7 @@ def detect_platform(
 ) -> Platform:
     """The platform of ``device``; ``None`` means the current accelerator, else the CPU.
 
-    The libraries probed are `KNOWN_LIBRARIES`, those registered backends require (see
+    The libraries probed are those registered backends require (see
     `note_required_libraries`) and ``extra_libraries`` (the selector passes its registry's), so
     a third-party kernel library counts as present when it is installed.
     """
@@ -164,7 +152,7 @@ def detect_platform(
     dev = torch.device(device)
     with _required_lock:
         required = tuple(_required)
-    libraries = probe_libraries((*KNOWN_LIBRARIES, *required, *extra_libraries))
+    libraries = probe_libraries((*required, *extra_libraries))
     if dev.type != "cuda":
         return Platform(kind="cpu", device_name=None, libraries=libraries)
     props = torch.cuda.get_device_properties(dev)
