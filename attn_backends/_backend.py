@@ -152,9 +152,9 @@ class PrefillBackend(ABC):
                 Reason(
                     ReasonCode.CUDA_GRAPH,
                     "does not declare graph mode (capture once per bucket, re-plan per batch)",
-                    "cuda_graph",
-                    "True",
+                    "capabilities.cuda_graph",
                     "False",
+                    "True (a backend that declares graph mode)",
                 )
             ]
         return []

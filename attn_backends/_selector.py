@@ -268,9 +268,9 @@ def _judge(entry: BackendEntry, req: _Request) -> _Judged:
             Reason(
                 ReasonCode.CUDA_GRAPH,
                 "cannot be captured in a CUDA graph and re-planned per batch (graph mode)",
-                "cuda_graph",
-                "True",
+                "capabilities.cuda_graph",
                 "False",
+                "True (a backend that declares graph mode)",
             )
         )
     reasons.extend(_supports(entry.backend, req.spec, req.platform))
