@@ -23,6 +23,7 @@ from ._errors import PlatformError
 PlatformKind = Literal["cpu", "cuda", "rocm"]
 PLATFORM_KINDS: tuple[PlatformKind, ...] = ("cpu", "cuda", "rocm")
 
+
 @dataclass(frozen=True)
 class Platform:
     """A machine as the selector sees it.
