@@ -7,7 +7,7 @@ backend's declared capabilities at collection time.
 from __future__ import annotations
 
 import hashlib
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass, replace
 from typing import ClassVar
 
@@ -35,6 +35,7 @@ from .cases import (
     graph_case,
     refusal_cases,
 )
+from .graphs import capture_graph
 
 PAD_VALUE = 1.0e4
 """Padding rows hold this: a kernel that reads them produces a visibly wrong output."""
@@ -81,6 +82,15 @@ def make_qkv(case: ConformanceCase, device: torch.device | str, seed: int) -> Pr
     return PreparedInput(qkv, packed, packed.clone(), backing, backing.clone())
 
 
+def batch_of(
+    case: ConformanceCase, device: torch.device | str, seed: int
+) -> tuple[FMHAParams, PreparedInput]:
+    """The case's batch metadata (its padding rows included) and its random input."""
+    rows = sum(case.lengths) + case.padding_rows
+    params = FMHAParams.from_lengths(case.lengths, device=device, padded_rows=rows)
+    return params, make_qkv(case, device, seed)
+
+
 def run_case(
     backend: str,
     case: ConformanceCase,
@@ -97,10 +107,7 @@ def run_case(
     """
     spec = case.spec
     sel = selected_or_skip(backend, spec, case.id, device, registry, platform)
-    params = FMHAParams.from_lengths(
-        case.lengths, device=device, padded_rows=sum(case.lengths) + case.padding_rows
-    )
-    data = make_qkv(case, device, _seed(f"{backend}/{case.id}"))
+    params, data = batch_of(case, device, _seed(f"{backend}/{case.id}"))
     plan = sel.backend.prepare(params)
     if case.expect_fused is not None:
         fused = plan.preprocess == "fused"
@@ -184,8 +191,7 @@ def run_interleaved(
     batches = [(case.lengths, 0), (INTERLEAVED_LENGTHS, 2)]
     runs = []
     for caller, (lengths, pad) in zip((first, second), batches, strict=True):
-        params = FMHAParams.from_lengths(lengths, device=device, padded_rows=sum(lengths) + pad)
-        data = make_qkv(replace(case, lengths=lengths, padding_rows=pad), device, len(lengths))
+        params, data = batch_of(replace(case, lengths=lengths, padding_rows=pad), device, pad)
         runs.append((caller.prepare(params), params, data))
     for i in (0, 1, 1, 0, 0, 1):
         plan, params, data = runs[i]
@@ -222,10 +228,8 @@ def run_graph_mode(
     static = static.to(spec.dtype)
     graph = None
     for n, lengths in enumerate(GRAPH_BATCHES):
-        params = FMHAParams.from_lengths(lengths, device=dev, padded_rows=bucket.max_tokens)
-        data = make_qkv(
-            replace(case, lengths=lengths, padding_rows=bucket.max_tokens - sum(lengths)), dev, n
-        )
+        pad = bucket.max_tokens - sum(lengths)
+        params, data = batch_of(replace(case, lengths=lengths, padding_rows=pad), dev, n)
         plan.update(params)
         static.copy_(data.pristine)
         eager = backend_impl.forward(static, plan).clone()
@@ -240,35 +244,13 @@ def run_graph_mode(
         if dev.type != "cuda":
             continue
         if graph is None:
-            graph = _capture(lambda: backend_impl.forward(static, plan), dev)
+            graph = capture_graph(lambda: backend_impl.forward(static, plan), dev)
         static.copy_(data.pristine)
         graph.replay()
         torch.cuda.synchronize(dev)
         assert torch.equal(graph.output[:tokens], eager[:tokens]), (
             f"replay differs from eager for batch {lengths}"
         )
-
-
-@dataclass
-class _Captured:
-    graph: torch.cuda.CUDAGraph
-    output: torch.Tensor
-
-    def replay(self) -> None:
-        self.graph.replay()
-
-
-def _capture(step: Callable[[], torch.Tensor], device: torch.device) -> _Captured:
-    side = torch.cuda.Stream(device)  # type: ignore[no-untyped-call]
-    side.wait_stream(torch.cuda.current_stream(device))
-    with torch.cuda.stream(side):
-        for _ in range(2):
-            step()
-    torch.cuda.current_stream(device).wait_stream(side)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        output = step()
-    return _Captured(graph, output)
 
 
 class NoCachePrefillConformance:

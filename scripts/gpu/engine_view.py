@@ -24,6 +24,7 @@ from pathlib import Path
 import torch
 
 import attn_backends as ab
+from attn_backends.testing.graphs import capture_graph
 
 BGE = ab.AttentionSpec(16, 16, 64, torch.bfloat16, causal=False)
 WORKLOADS: dict[str, tuple[ab.AttentionSpec, tuple[int, ...]]] = {
@@ -146,15 +147,8 @@ def graph_replay(
     plan.update(ab.FMHAParams.from_lengths(lengths, device=device, padded_rows=rows))
     static = torch.zeros(rows, spec.qkv_width, device=device, dtype=spec.dtype)
     static[:tokens] = qkv
-    side = torch.cuda.Stream()  # type: ignore[no-untyped-call]
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        for _ in range(3):
-            backend.forward(static, plan)
-    torch.cuda.current_stream().wait_stream(side)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        out = backend.forward(static, plan)
+    captured = capture_graph(lambda: backend.forward(static, plan), device, warmup=3)
+    graph, out = captured.graph, captured.output
     graph.replay()
     torch.cuda.synchronize()
     eager = backend.forward(static, plan)

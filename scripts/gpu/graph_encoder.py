@@ -23,6 +23,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 import attn_backends as ab
+from attn_backends.testing.graphs import capture_graph
 from tests.gpu.tiny_encoder import TinyEncoder, embeddings
 
 ITERS = 50
@@ -65,16 +66,8 @@ class Captured:
         rows = BUCKET.max_tokens
         plan.update(ab.FMHAParams.from_lengths(BATCHES[0], device=device, padded_rows=rows))
         static = embeddings(BATCHES[0], rows, model.hidden, model.spec.dtype, device)
-        side = torch.cuda.Stream()  # type: ignore[no-untyped-call]
-        side.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(side):
-            for _ in range(2):
-                model(static, plan)
-        torch.cuda.current_stream().wait_stream(side)
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph):
-            output = model(static, plan)
-        return cls(model, plan, graph, static, output)
+        captured = capture_graph(lambda: model(static, plan), device)
+        return cls(model, plan, captured.graph, static, captured.output)
 
     def measure(self, lengths: tuple[int, ...], device: torch.device) -> dict[str, object]:
         model, plan = self.model, self.plan

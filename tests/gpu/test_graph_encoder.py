@@ -4,10 +4,13 @@ and the valid rows agree with an eager run on an ordinary per-batch plan."""
 
 from __future__ import annotations
 
+import functools
+
 import pytest
 import torch
 
 import attn_backends as ab
+from attn_backends.testing.graphs import capture_graph
 from tests.gpu.tiny_encoder import TinyEncoder, embeddings
 
 pytestmark = pytest.mark.gpu
@@ -22,19 +25,6 @@ BUCKETS = {
 }
 
 
-def _capture(model: TinyEncoder, static: torch.Tensor, plan: ab.GraphPlan):
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        for _ in range(2):
-            model(static, plan)
-    torch.cuda.current_stream().wait_stream(side)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        output = model(static, plan)
-    return graph, output
-
-
 @pytest.mark.parametrize("name", sorted(SPECS))
 def test_one_graph_per_bucket_replays_every_batch_exactly(name):
     spec = SPECS[name]
@@ -46,7 +36,7 @@ def test_one_graph_per_bucket_replays_every_batch_exactly(name):
             ab.FMHAParams.from_lengths(batches[0], device=device, padded_rows=bucket.max_tokens)
         )
         static = embeddings(batches[0], bucket.max_tokens, model.hidden, spec.dtype, device)
-        graph, output = _capture(model, static, plan)
+        captured = capture_graph(functools.partial(model, static, plan), device)
         for lengths in batches:
             params = ab.FMHAParams.from_lengths(
                 lengths, device=device, padded_rows=bucket.max_tokens
@@ -54,8 +44,8 @@ def test_one_graph_per_bucket_replays_every_batch_exactly(name):
             fresh = embeddings(lengths, bucket.max_tokens, model.hidden, spec.dtype, device)
             plan.update(params)
             static.copy_(fresh)
-            graph.replay()
-            replayed = output[: params.token_q_num].clone()
+            captured.replay()
+            replayed = captured.output[: params.token_q_num].clone()
             eager = model(fresh.clone(), plan)[: params.token_q_num]
             assert torch.equal(replayed, eager), f"{name} {lengths}: replay != eager"
             tokens = params.token_q_num
