@@ -49,6 +49,7 @@ from ._reference import TOLERANCE, reference_attention, relative_error
 from ._registry import PluginPolicy, PluginRecord, Registry, get_registry, reset_registry
 from ._selector import Candidate, Selection, clear_selection_cache, select
 from ._spec import AttentionSpec, HeadwiseConfig, RopeSpec
+from ._warmup import WarmupReport, WarmupStep, warmup
 
 __version__ = "0.1.0"
 
@@ -101,6 +102,8 @@ __all__ = [
     "Selection",
     "SpecError",
     "UnboundBackendError",
+    "WarmupReport",
+    "WarmupStep",
     "check_capabilities",
     "check_consistent_across_ranks",
     "check_platform",
@@ -122,4 +125,5 @@ __all__ = [
     "select",
     "select_across_ranks",
     "split_views",
+    "warmup",
 ]

@@ -26,6 +26,7 @@ from ._platform import Platform, detect_platform
 from ._presets import PRESETS
 from ._registry import get_registry
 from ._selector import BACKEND_ENV, Selection, select
+from ._warmup import warmup
 from .bench import cli as bench_cli
 
 __all__ = ["build_parser", "main", "spec_from_args"]
@@ -231,6 +232,16 @@ def cmd_check(args: argparse.Namespace) -> int:
     return EXIT_OK if ok else EXIT_NO
 
 
+def cmd_warmup(args: argparse.Namespace) -> int:
+    chosen: torch.device | None = args.device
+    device = chosen or torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    names: list[str] = args.preset
+    print(f"warming up {', '.join(names)} on {device} (a kernel not compiled yet takes minutes)")
+    report = warmup(names, device=device, progress=lambda line: print(line, flush=True))
+    print(f"done in {report.seconds:.1f} s; a second run finds every kernel in its library's cache")
+    return EXIT_OK
+
+
 _EPILOG = (
     "exit status: 0 done; 1 no backend fits, or the canary found wrong numbers; 2 usage "
     "mistake (one line on stderr); 141 stdout was closed early (e.g. by `| head`)"
@@ -287,6 +298,30 @@ def _build() -> tuple[CommandParser, dict[str, CommandParser]]:
         help="input seed (default 0)",
     )
     p_check.set_defaults(func=cmd_check)
+    p_warmup = sub.add_parser(
+        "warmup",
+        help="build or load every kernel the given models use, before traffic",
+        description="Run one tiny batch through every per-batch path of the backend each "
+        "preset selects on this machine, so kernels compiled on first use (flashinfer's JIT: "
+        "minutes each) are built now, in parallel, instead of on the first request. "
+        "Idempotent: a second run only loads them.",
+        epilog=_EPILOG,
+        allow_abbrev=False,
+    )
+    p_warmup.add_argument(
+        "--preset",
+        action="append",
+        required=True,
+        choices=sorted(PRESETS),
+        help="a model to warm up (repeatable)",
+    )
+    p_warmup.add_argument(
+        "--device",
+        type=_cli_args.device,
+        default=None,
+        help="cpu, cuda or cuda:<index> (default: cuda when available)",
+    )
+    p_warmup.set_defaults(func=cmd_warmup)
     p_bench = sub.add_parser(
         "bench", help="benchmark the no-cache prefill paths on a CUDA GPU", allow_abbrev=False
     )

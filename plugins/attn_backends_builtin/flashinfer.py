@@ -35,6 +35,7 @@ into an aligned one rather than read wrongly.
 
 from __future__ import annotations
 
+import logging
 import threading
 import weakref
 from dataclasses import dataclass, replace
@@ -132,6 +133,24 @@ class WrapperPool:
 
 WORKSPACES = StreamBuffers(WORKSPACE_BYTES)
 POOL = WrapperPool()
+logger = logging.getLogger("attn_backends")
+_announced: set[JitModule] = set()
+_announced_lock = threading.Lock()
+
+
+def announce_first_use(module: JitModule) -> None:
+    """One INFO line the first time this process plans with a JIT module: flashinfer compiles
+    it then if its cache lacks it, which takes minutes, so a stall is never silent."""
+    with _announced_lock:
+        if module in _announced:
+            return
+        _announced.add(module)
+    logger.info(
+        "flashinfer: first use of JIT module %s in this process; flashinfer compiles it now "
+        "unless its cache has it (minutes on a new machine). Run `attn-backends warmup "
+        "--preset NAME` (or attn_backends.warmup(specs)) at start-up to do this ahead of traffic",
+        module,
+    )
 
 
 @dataclass(frozen=True, eq=False)
@@ -269,6 +288,9 @@ class FlashinferBackend(PrefillBackend):
         self, spec: AttentionSpec, params: FMHAParams, *, fused_rope: bool
     ) -> RaggedPlan:
         choice = choose_kernel(spec, device_sm(params.device), fused_rope)
+        announce_first_use(
+            JitModule(choice.backend, dtype_name(spec.dtype), spec.head_dim, fused_rope)
+        )
         stream = stream_key(params.device)
         key: PoolKey = (stream[0], stream[1], choice.backend)
         wrapper = POOL.lease(key, WORKSPACES.get(stream))
@@ -288,6 +310,9 @@ class FlashinferBackend(PrefillBackend):
         import flashinfer  # lazily: a GPU library
 
         choice = choose_kernel(spec, device_sm(device), fused_rope)
+        announce_first_use(
+            JitModule(choice.backend, dtype_name(spec.dtype), spec.head_dim, fused_rope)
+        )
         indptr = torch.zeros(bucket.slots + 1, dtype=torch.int32, device=device)
         wrapper = flashinfer.BatchPrefillWithRaggedKVCacheWrapper(
             WORKSPACES.get(stream_key(device)),
