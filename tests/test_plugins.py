@@ -380,3 +380,33 @@ class _Fp8Sdpa(torch_sdpa.TorchSdpaBackend):
         k = views.k.to(torch.float32) * scales.k
         v = views.v.to(torch.float32) * scales.v
         return super().attend(ab.QKVViews(views.packed, q, k, v, None), plan)
+
+
+class _RegressedSdpa(torch_sdpa.TorchSdpaBackend):
+    """Declares float16 and float32 but its supports() refuses float32: a regression."""
+
+    name = "regressed-sdpa"
+    capabilities = ab.Capabilities(
+        platforms=frozenset({"cpu"}), dtypes=frozenset({torch.float16, torch.float32})
+    )
+
+    def extra_reasons(self, spec: ab.AttentionSpec, platform: ab.Platform) -> list[ab.Reason]:
+        if spec.dtype == torch.float32:
+            return [ab.Reason(ab.ReasonCode.BACKEND_SPECIFIC, "float32 broke")]
+        return []
+
+
+def test_a_refused_generated_case_fails_but_a_missing_platform_skips() -> None:
+    reg = _sdpa_registry()
+    reg.register_plugin(StaticPlugin(_RegressedSdpa()), name="regressed")
+    entry = reg.get("regressed-sdpa")
+    assert entry is not None
+    cases = testing.conformance_cases(entry.capabilities)
+    f32 = next(c for c in cases if c.spec.dtype == torch.float32)
+    with pytest.raises(pytest.fail.Exception, match="which its capabilities declare"):
+        testing.run_case("regressed-sdpa", f32, "cpu", registry=reg)
+    f16 = next(c for c in cases if c.spec.dtype == torch.float16)
+    assert testing.run_case("regressed-sdpa", f16, "cpu", registry=reg) < 1e-2
+    gpu_only = ab.parse_platform("cuda:sm90")
+    with pytest.raises(pytest.skip.Exception, match="cannot run here"):
+        testing.run_case("regressed-sdpa", f16, "cpu", registry=reg, platform=gpu_only)
