@@ -44,6 +44,13 @@ from ._preprocess import (
 )
 from ._preprocess import preprocess_mode as preprocess_mode  # re-exported: backends import it
 from ._rope import PositionTables
+from ._separate import (
+    SeparateQKV,
+    check_separate,
+    packed_of,
+    rotate_separate,
+    separate_note,
+)
 from ._spec import AttentionSpec
 
 QKVInput: TypeAlias = "torch.Tensor | tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]"
@@ -136,14 +143,15 @@ class QKVViews:
     """Q, K, V of the valid rows, ``[tokens, heads, D]`` each, plus the FP8 scales if any.
 
     ``packed`` is the ``[tokens, (Hq + 2*Hkv) * D]`` rows they were cut from, trimmed to the
-    valid tokens when first read (kernels on Q/K/V views never pay for it).
+    valid tokens when first read (kernels on Q/K/V views never pay for it). With separate
+    Q/K/V input it is built, a copy, only if a kernel reads it.
     """
 
     __slots__ = ("_packed", "_rows", "fp8_scales", "k", "q", "v")
 
     def __init__(
         self,
-        packed: torch.Tensor,
+        packed: torch.Tensor | None,
         q: torch.Tensor,
         k: torch.Tensor,
         v: torch.Tensor,
@@ -162,7 +170,10 @@ class QKVViews:
         if rows is None:
             tokens = self.q.shape[0]
             source = self._packed
-            rows = source if source.shape[0] == tokens else source[:tokens]
+            if source is None:  # separate Q/K/V: packed rows exist only as a copy
+                rows = packed_of(self.q, self.k, self.v)
+            else:
+                rows = source if source.shape[0] == tokens else source[:tokens]
             self._rows = rows
         return rows
 
@@ -189,20 +200,23 @@ def _is_empty(t: object) -> bool:
 
 
 def unpack_tuple(qkv: object) -> object:
-    """The packed buffer of an accepted tuple form; the object itself when it is no tuple."""
+    """The packed buffer of ``(packed, None, None)``, a `SeparateQKV` for ``(q, k, v)``; the
+    object itself when it is no tuple."""
     if not isinstance(qkv, tuple):
         return qkv
     if len(qkv) != 3:
-        raise _fail(f"a tuple of {len(qkv)} items", "a tensor or (packed, K, V)")
-    packed, k, v = qkv
-    real = [name for name, t in (("K", k), ("V", v)) if not _is_empty(t)]
-    if real:
+        raise _fail(f"a tuple of {len(qkv)} items", "a tensor, (packed, None, None) or (q, k, v)")
+    first, k, v = qkv
+    empty = [name for name, t in (("K", k), ("V", v)) if _is_empty(t)]
+    if len(empty) == 2:
+        return first
+    if empty:
+        real = "V" if empty == ["K"] else "K"
         raise _fail(
-            f"the tuple carries a real {' and '.join(real)} beside the packed buffer",
-            "(packed, None, None) or (packed, empty, empty): this path reads K and V from "
-            "the packed columns only",
+            f"the tuple carries a real {real} but no {empty[0]}",
+            "(packed, None, None) for the packed buffer, or (q, k, v) with all three real",
         )
-    return packed
+    return SeparateQKV(first, k, v)
 
 
 def check_packed(packed: object, spec: AttentionSpec, params: FMHAParams) -> torch.Tensor:
@@ -467,6 +481,10 @@ def run_forward(
     else:
         raise _not_ours(backend, plan)
     packed = qkv if type(qkv) is torch.Tensor else unpack_tuple(qkv)
+    if isinstance(packed, SeparateQKV):
+        return _execute_separate(
+            backend, spec, packed, plan, fp8_scales, layout, attend, accepts_rows
+        )
     entry = plan.memo.entry
     if entry is not None and type(packed) is torch.Tensor and entry[0] == buffer_signature(packed):
         geo = entry[1]
@@ -495,6 +513,11 @@ def run_graph_forward(
         raise _not_ours(backend, plan)
     params = plan.current()
     packed = qkv if type(qkv) is torch.Tensor else unpack_tuple(qkv)
+    if isinstance(packed, SeparateQKV):
+        raise _fail(
+            "separate (q, k, v) tensors with a graph plan",
+            "the packed buffer in graph mode (a captured graph reads one fixed buffer)",
+        )
     entry = plan.memo.entry
     if entry is not None and type(packed) is torch.Tensor and entry[0] == buffer_signature(packed):
         geo = entry[1]
@@ -599,3 +622,58 @@ def _execute(
     ):
         raise _bad_output(backend, spec, out, geo, rotated, written_rows)
     return out.reshape(geo.output_rows)
+
+
+def _execute_separate(
+    backend: str,
+    spec: AttentionSpec,
+    given: SeparateQKV,
+    plan: PrefillPlan,
+    fp8_scales: Fp8Scales | None,
+    layout: InputLayout,
+    attend: AttendFn,
+    accepts_rows: RowsRule,
+) -> torch.Tensor:
+    """`_execute` for separate Q/K/V (see ``_separate``): the same order, every check first."""
+    params = plan.params
+    q, k, v = check_separate(given, spec, params)
+    if fp8_scales is not None or spec.is_fp8:
+        check_fp8_scales(spec, fp8_scales, q.device)
+    tokens = params.token_q_num
+    if plan.rotates:
+        check_writable(q)
+        check_writable(k)
+        try:
+            rotate_separate(q, k, spec, params, plan.tables)
+        except Exception as exc:
+            note = separate_note(tokens, certain=False)
+            raise BackendFailure(
+                f"the torch RoPE/logn pass failed: {type(exc).__name__}: {exc}; {note}",
+                modified=note,
+            ) from exc
+    q, k, v = q[:tokens], k[:tokens], v[:tokens]
+    dense = layout == "dense-tensors" or not all(accepts_rows(t.flatten(1)) for t in (q, k, v))
+    if dense:
+        q, k, v = q.contiguous(), k.contiguous(), v.contiguous()
+    try:
+        out = attend(QKVViews(None, q, k, v, fp8_scales), plan)
+    except Exception as exc:
+        written = separate_note(tokens, certain=True) if plan.rotates else None
+        if isinstance(exc, AttentionBackendError):
+            if written is not None:
+                _mark_modified(exc, written)
+            raise
+        raise BackendFailure(
+            f"backend {backend} failed in attend(): {type(exc).__name__}: {exc}"
+            + (f"; {written}" if written else ""),
+            modified=written,
+        ) from exc
+    expected = (tokens, spec.num_heads, spec.head_dim)
+    if (
+        type(out) is not torch.Tensor
+        or tuple(out.shape) != expected
+        or (out.dtype != spec.output_dtype)
+    ):
+        got = f"{tuple(out.shape)}" if isinstance(out, torch.Tensor) else type(out).__name__
+        raise BackendFailure(f"backend {backend} returned {got}; the contract needs {expected}")
+    return out.reshape(tokens, spec.q_width)

@@ -19,7 +19,7 @@ from .._platform import Platform, PlatformKind, parse_platform
 from .._reasons import ReasonCode
 from .._spec import AttentionSpec, HeadwiseConfig, RopeSpec
 
-InputForm = Literal["plain", "strided", "tuple-none", "tuple-empty"]
+InputForm = Literal["plain", "strided", "tuple-none", "tuple-empty", "separate", "separate-3d"]
 
 VARLEN = (5, 17, 1, 32)
 _FLOAT_ORDER = (torch.float32, torch.float16, torch.bfloat16)
@@ -117,6 +117,8 @@ def conformance_cases(caps: Capabilities) -> list[ConformanceCase]:
         ConformanceCase(f"{tag}-strided-padding", base, padding_rows=3, form="strided"),
         ConformanceCase(f"{tag}-tuple-none", base, form="tuple-none"),
         ConformanceCase(f"{tag}-tuple-empty", base, form="tuple-empty"),
+        ConformanceCase(f"{tag}-separate-qkv", base, padding_rows=3, form="separate"),
+        ConformanceCase(f"{tag}-separate-qkv-3d", base, form="separate-3d"),
         ConformanceCase(f"{tag}-single-token", base, lengths=(1,)),
         ConformanceCase(f"{tag}-zero-length-seq", base, lengths=(3, 0, 4)),
         ConformanceCase(f"{tag}-equal-lengths", base, lengths=(16,) * 6),

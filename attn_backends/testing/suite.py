@@ -7,6 +7,7 @@ backend's declared capabilities at collection time.
 from __future__ import annotations
 
 import hashlib
+import itertools
 from collections.abc import Sequence
 from dataclasses import dataclass, replace
 from typing import ClassVar
@@ -60,6 +61,13 @@ class PreparedInput:
     backing: torch.Tensor
     backing_pristine: torch.Tensor
 
+    def current(self) -> torch.Tensor:
+        """The packed rows as they are now: the buffer itself, or the separate tensors side
+        by side (what they hold after ``forward``)."""
+        if isinstance(self.qkv, tuple) and self.qkv[1] is not None and self.qkv[1].numel():
+            return torch.cat([t.flatten(1) for t in self.qkv if t is not None], dim=1)
+        return self.packed
+
 
 def make_qkv(case: ConformanceCase, device: torch.device | str, seed: int) -> PreparedInput:
     """Random packed QKV for a case (values ~N(0, 1), never zeros), in the case's input form."""
@@ -79,6 +87,16 @@ def make_qkv(case: ConformanceCase, device: torch.device | str, seed: int) -> Pr
     elif case.form == "tuple-empty":
         empty = torch.empty(0, device=device, dtype=spec.dtype)
         qkv = (packed, empty, empty)
+    elif case.form in ("separate", "separate-3d"):
+        # Three tensors of their own, as separate projections produce them.
+        bounds = (0, spec.q_width, spec.q_width + spec.kv_width, spec.qkv_width)
+        parts = [packed[:, lo:hi].clone() for lo, hi in itertools.pairwise(bounds)]
+        if case.form == "separate-3d":
+            heads = (spec.num_heads, spec.num_kv_heads, spec.num_kv_heads)
+            parts = [
+                t.view(t.shape[0], h, spec.head_dim) for t, h in zip(parts, heads, strict=True)
+            ]
+        qkv = (parts[0], parts[1], parts[2])
     return PreparedInput(qkv, packed, packed.clone(), backing, backing.clone())
 
 
@@ -164,7 +182,7 @@ def selected_or_skip(
 def _check_untouched(
     spec: AttentionSpec, data: PreparedInput, tokens: int, rotates_in_place: bool
 ) -> None:
-    written = unexpected_writes(data.pristine, data.packed, spec, tokens, rotates_in_place)
+    written = unexpected_writes(data.pristine, data.current(), spec, tokens, rotates_in_place)
     assert written is None, written
     width = data.backing.shape[1]
     extra = (width - spec.qkv_width) // 2
