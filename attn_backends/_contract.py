@@ -466,7 +466,8 @@ def run_forward(
             try:
                 out = attend(QKVViews(qkv, q, k, v, None), plan)
             except Exception as exc:
-                raise _attend_failure(backend, spec, exc, plan.rotates, geo.tokens) from (
+                note = modified_note(spec, geo.tokens) if plan.rotates else None
+                raise _attend_failure(backend, exc, note) from (
                     exc.__cause__ if isinstance(exc, AttentionBackendError) else exc
                 )
             if (
@@ -475,7 +476,8 @@ def run_forward(
                 and out.dtype == geo.output_dtype
             ):
                 return out.reshape(geo.output_rows)
-            raise _bad_output(backend, spec, out, geo, plan.rotates, geo.tokens)
+            note = modified_note(spec, geo.tokens) if plan.rotates else None
+            raise _bad_output(backend, spec, out, geo.output_shape, note)
     elif isinstance(plan, GraphPlan):
         return run_graph_forward(backend, spec, qkv, plan, fp8_scales, layout, attend, accepts_rows)
     else:
@@ -546,18 +548,20 @@ def _rotate(packed: torch.Tensor, plan: AnyPlan, spec: AttentionSpec, written_ro
             apply_preprocess(plan.preprocess, packed, spec, plan.params, plan.tables)
     except Exception as exc:
         note = modified_note(spec, written_rows, certain=False)
-        raise BackendFailure(
-            f"the {plan.preprocess} RoPE/logn pass failed: {type(exc).__name__}: {exc}; {note}",
-            modified=note,
-        ) from exc
+        raise _pass_failure(plan.preprocess, exc, note) from exc
 
 
-def _attend_failure(
-    backend: str, spec: AttentionSpec, exc: Exception, rotated: bool, written_rows: int
-) -> AttentionBackendError:
+def _pass_failure(mode: str, exc: Exception, note: str) -> BackendFailure:
+    """The error for a RoPE/logn pass that raised part-way: the input may have changed."""
+    return BackendFailure(
+        f"the {mode} RoPE/logn pass failed: {type(exc).__name__}: {exc}; {note}", modified=note
+    )
+
+
+def _attend_failure(backend: str, exc: Exception, note: str | None) -> AttentionBackendError:
     """The error to raise for an exception from ``attend``: the library's own errors keep
-    their type (gaining the modified note), any other becomes `BackendFailure`."""
-    note = modified_note(spec, written_rows) if rotated else None
+    their type (gaining ``note``, where the in-place pass already wrote), any other becomes
+    `BackendFailure`."""
     if isinstance(exc, AttentionBackendError):
         if note is not None:
             _mark_modified(exc, note)
@@ -570,14 +574,9 @@ def _attend_failure(
 
 
 def _bad_output(
-    backend: str,
-    spec: AttentionSpec,
-    out: object,
-    geo: Geometry,
-    rotated: bool,
-    written_rows: int,
+    backend: str, spec: AttentionSpec, out: object, expected: torch.Size, note: str | None
 ) -> BackendFailure:
-    note = modified_note(spec, written_rows) if rotated else None
+    """The error for an ``attend`` result of the wrong shape or dtype."""
     got = (
         f"{tuple(out.shape)} {dtype_name(out.dtype)}"
         if isinstance(out, torch.Tensor)
@@ -585,8 +584,7 @@ def _bad_output(
     )
     return BackendFailure(
         f"backend {backend} returned {got}; the contract needs "
-        f"{tuple(geo.output_shape)} {dtype_name(spec.output_dtype)}"
-        + (f"; {note}" if note else ""),
+        f"{tuple(expected)} {dtype_name(spec.output_dtype)}" + (f"; {note}" if note else ""),
         modified=note,
     )
 
@@ -609,19 +607,32 @@ def _execute(
     if rotated:
         _rotate(packed, plan, spec, written_rows)
     rows, q, k, v = cut(packed, geo, spec)
+    note = modified_note(spec, written_rows) if rotated else None
+    return _attend_checked(
+        backend, spec, QKVViews(rows, q, k, v, fp8_scales), plan, attend, geo.output_shape, note
+    )
+
+
+def _attend_checked(
+    backend: str,
+    spec: AttentionSpec,
+    views: QKVViews,
+    plan: AnyPlan,
+    attend: AttendFn,
+    expected: torch.Size,
+    note: str | None,
+) -> torch.Tensor:
+    """``attend``, its failure named, its output checked and shaped ``[tokens, Hq * D]``.
+    ``note`` says what the in-place pass already wrote (None: nothing)."""
     try:
-        out = attend(QKVViews(rows, q, k, v, fp8_scales), plan)
+        out = attend(views, plan)
     except Exception as exc:
-        raise _attend_failure(backend, spec, exc, rotated, written_rows) from (
+        raise _attend_failure(backend, exc, note) from (
             exc.__cause__ if isinstance(exc, AttentionBackendError) else exc
         )
-    if (
-        type(out) is not torch.Tensor
-        or out.shape != geo.output_shape
-        or (out.dtype != geo.output_dtype)
-    ):
-        raise _bad_output(backend, spec, out, geo, rotated, written_rows)
-    return out.reshape(geo.output_rows)
+    if type(out) is not torch.Tensor or out.shape != expected or out.dtype != spec.output_dtype:
+        raise _bad_output(backend, spec, out, expected, note)
+    return out.reshape(expected[0], spec.q_width)
 
 
 def _execute_separate(
@@ -646,34 +657,13 @@ def _execute_separate(
         try:
             rotate_separate(q, k, spec, params, plan.tables)
         except Exception as exc:
-            note = separate_note(tokens, certain=False)
-            raise BackendFailure(
-                f"the torch RoPE/logn pass failed: {type(exc).__name__}: {exc}; {note}",
-                modified=note,
-            ) from exc
+            raise _pass_failure("torch", exc, separate_note(tokens, certain=False)) from exc
     q, k, v = q[:tokens], k[:tokens], v[:tokens]
     dense = layout == "dense-tensors" or not all(accepts_rows(t.flatten(1)) for t in (q, k, v))
     if dense:
         q, k, v = q.contiguous(), k.contiguous(), v.contiguous()
-    try:
-        out = attend(QKVViews(None, q, k, v, fp8_scales), plan)
-    except Exception as exc:
-        written = separate_note(tokens, certain=True) if plan.rotates else None
-        if isinstance(exc, AttentionBackendError):
-            if written is not None:
-                _mark_modified(exc, written)
-            raise
-        raise BackendFailure(
-            f"backend {backend} failed in attend(): {type(exc).__name__}: {exc}"
-            + (f"; {written}" if written else ""),
-            modified=written,
-        ) from exc
-    expected = (tokens, spec.num_heads, spec.head_dim)
-    if (
-        type(out) is not torch.Tensor
-        or tuple(out.shape) != expected
-        or (out.dtype != spec.output_dtype)
-    ):
-        got = f"{tuple(out.shape)}" if isinstance(out, torch.Tensor) else type(out).__name__
-        raise BackendFailure(f"backend {backend} returned {got}; the contract needs {expected}")
-    return out.reshape(tokens, spec.q_width)
+    note = separate_note(tokens, certain=True) if plan.rotates else None
+    expected = torch.Size((tokens, spec.num_heads, spec.head_dim))
+    return _attend_checked(
+        backend, spec, QKVViews(None, q, k, v, fp8_scales), plan, attend, expected, note
+    )

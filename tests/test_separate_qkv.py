@@ -177,3 +177,17 @@ def test_graph_mode_takes_the_packed_buffer_only():
             backend.forward((q, k, v), plan)
     finally:
         mp.undo()
+
+
+def test_a_wrong_output_after_the_pass_says_q_and_k_were_modified():
+    class WrongShape(TorchSdpaBackend):
+        name = "wrong-shape"
+
+        def attend(self, views, plan):
+            return torch.zeros(1, 1, 1)
+
+    _, q, k, v = tensors()
+    backend = WrongShape(SPEC)
+    with pytest.raises(ab.BackendFailure, match="wrong-shape returned") as info:
+        backend.forward((q, k, v), backend.prepare(params()))
+    assert info.value.modified is not None and "of q and k" in info.value.modified
