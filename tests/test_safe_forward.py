@@ -156,6 +156,38 @@ def test_buffer_checks_run_once_per_signature_and_again_for_a_changed_buffer(mon
     assert len(calls) == 5
 
 
+def test_a_layer_loop_rotating_through_buffers_is_checked_once_per_buffer(monkeypatch):
+    """An engine's caching allocator hands each layer one of a few blocks in turn: every one
+    of them is remembered, and one past `MEMO_SLOTS` pushes out the oldest."""
+    calls = []
+    real = _contract.check_packed
+
+    def counting(packed, spec, params):
+        calls.append(packed.data_ptr())
+        return real(packed, spec, params)
+
+    monkeypatch.setattr(_contract, "check_packed", counting)
+    params = params_of()
+    backend = TorchSdpaBackend(PLAIN)
+    plan = backend.prepare(params)
+    buffers = [qkv_for(PLAIN, params) for _ in range(3)]
+    for _layer in range(4):
+        for qkv in buffers:
+            backend.forward(qkv, plan)
+    assert len(calls) == 3, "three buffers in turn: each checked once"
+    assert len(plan.memo) == 3
+
+    many = [qkv_for(PLAIN, params) for _ in range(_contract.MEMO_SLOTS)]
+    for qkv in many:
+        backend.forward(qkv, plan)
+    assert len(plan.memo) == _contract.MEMO_SLOTS
+    checked = len(calls)
+    backend.forward(many[-1], plan)
+    assert len(calls) == checked, "a recent buffer is still remembered"
+    backend.forward(buffers[0], plan)
+    assert len(calls) == checked + 1, "the oldest was dropped and is checked again"
+
+
 class _WritesV(TorchSdpaBackend):
     name = "writes-v"
 
