@@ -40,6 +40,7 @@ from ._errors import (
 from ._flags import derive_need_rope_kv_cache
 from ._graph import PAD_CHUNK, GraphBucket, GraphPlan
 from ._hooks import ENTRY_POINT_GROUP, PLUGIN_API_VERSION, PluginManifest, hookimpl, hookspec
+from ._kernels import KernelModule
 from ._params import FMHAParams
 from ._platform import Platform, detect_platform, parse_platform
 from ._preprocess import RopePass, preprocess_mode, register_rope_pass, rope_passes
@@ -75,6 +76,7 @@ __all__ = [
     "InputLayout",
     "InvalidArgumentError",
     "KVCacheFlagError",
+    "KernelModule",
     "NativeBuildError",
     "NoBackendError",
     "NoCachePrefill",

@@ -38,6 +38,7 @@ from ._errors import (
     UnboundBackendError,
 )
 from ._graph import GraphBucket, GraphPlan, slot_lengths
+from ._kernels import KernelModule
 from ._params import FMHAParams
 from ._platform import Platform
 from ._preprocess import GRAPH_MODES, is_separate, platform_of, resolve_preprocess
@@ -138,6 +139,11 @@ class PrefillBackend(ABC):
         """Whether the kernel can read these packed rows in place (e.g. an alignment rule); if
         not, the contract hands it a dense copy. Asked once per plan and buffer signature."""
         return True
+
+    def kernel_modules(self, spec: AttentionSpec, device: torch.device) -> tuple[KernelModule, ...]:
+        """Compiled kernel modules ``spec`` loads on ``device`` (every per-batch path), for
+        warm-up's estimate; empty for a backend whose kernels need no build."""
+        return ()
 
     def input_layout(self, spec: AttentionSpec) -> InputLayout:
         """Memory layout the kernel needs; by default from ``capabilities.needs_contiguous``."""

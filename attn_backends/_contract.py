@@ -475,8 +475,8 @@ def run_forward(
         and plan.backend == backend
         and (plan.spec is spec or plan.spec == spec)
     ):
-        geo = (
-            plan.memo.get(
+        if type(qkv) is torch.Tensor and fp8_scales is None:
+            geo = plan.memo.get(
                 (
                     qkv.data_ptr(),
                     qkv.storage_offset(),
@@ -486,30 +486,27 @@ def run_forward(
                     qkv.device,
                 )
             )
-            if type(qkv) is torch.Tensor and fp8_scales is None
-            else None
-        )
-        if geo is not None and geo.plain:
-            if plan.rotates:
-                _rotate(qkv, plan, spec, geo.tokens)
-            q, k, v = qkv.as_strided(
-                geo.heads_size, geo.heads_stride, geo.storage_offset
-            ).split_with_sizes(geo.split, 1)
-            try:
-                out = attend(QKVViews(qkv, q, k, v, None), plan)
-            except Exception as exc:
+            if geo is not None and geo.plain:
+                if plan.rotates:
+                    _rotate(qkv, plan, spec, geo.tokens)
+                q, k, v = qkv.as_strided(
+                    geo.heads_size, geo.heads_stride, geo.storage_offset
+                ).split_with_sizes(geo.split, 1)
+                try:
+                    out = attend(QKVViews(qkv, q, k, v, None), plan)
+                except Exception as exc:
+                    note = modified_note(spec, geo.tokens) if plan.rotates else None
+                    raise _attend_failure(backend, exc, note) from (
+                        exc.__cause__ if isinstance(exc, AttentionBackendError) else exc
+                    )
+                if (
+                    type(out) is torch.Tensor
+                    and out.shape == geo.output_shape
+                    and out.dtype == geo.output_dtype
+                ):
+                    return _as_rows(out, geo.output_rows)
                 note = modified_note(spec, geo.tokens) if plan.rotates else None
-                raise _attend_failure(backend, exc, note) from (
-                    exc.__cause__ if isinstance(exc, AttentionBackendError) else exc
-                )
-            if (
-                type(out) is torch.Tensor
-                and out.shape == geo.output_shape
-                and out.dtype == geo.output_dtype
-            ):
-                return _as_rows(out, geo.output_rows)
-            note = modified_note(spec, geo.tokens) if plan.rotates else None
-            raise _bad_output(backend, spec, out, geo.output_shape, note)
+                raise _bad_output(backend, spec, out, geo.output_shape, note)
     elif isinstance(plan, GraphPlan):
         return run_graph_forward(backend, spec, qkv, plan, fp8_scales, layout, attend, accepts_rows)
     else:

@@ -6,19 +6,27 @@ selects the backend for each spec, then runs one tiny batch through every path t
 take per batch (a backend that fuses RoPE only up to a length also gets a batch past it), so
 every module those batches need is built or loaded before traffic arrives. Steps run in
 parallel threads, so several compilations proceed at once; a second call finds them cached.
+
+Before it starts, warm-up asks each backend which compiled modules its specs load
+(`PrefillBackend.kernel_modules`) and reports how many are built, where the cache is, and an
+estimate for the rest; while steps run it reports progress at a steady beat, so a long build
+is never silent.
 """
 
 from __future__ import annotations
 
+import os
 import time
 from collections.abc import Callable, Sequence
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
 from dataclasses import dataclass
 
 import torch
 
+from ._backend import PrefillBackend
 from ._contract import Fp8Scales
 from ._errors import ParamsError
+from ._kernels import KernelModule
 from ._params import FMHAParams
 from ._platform import Platform
 from ._presets import PRESETS
@@ -46,6 +54,62 @@ class WarmupReport:
     steps: tuple[WarmupStep, ...]
     seconds: float
     """Wall time of the whole warm-up (steps overlap)."""
+    modules: tuple[KernelModule, ...] = ()
+    """Compiled modules the steps load, as found before the start (``cached`` then)."""
+    estimate_seconds: float | None = None
+    """Expected wall time of the builds found missing; None if some cost is unknown."""
+
+
+def build_jobs() -> int:
+    """Parallel compile jobs of a JIT build: ``MAX_JOBS`` (the convention of torch extensions
+    and flashinfer), else the core count."""
+    try:
+        return max(1, int(os.environ.get("MAX_JOBS", "")))
+    except ValueError:
+        return max(1, os.cpu_count() or 1)
+
+
+def estimate_build_seconds(modules: Sequence[KernelModule], jobs: int) -> float | None:
+    """Wall seconds to build the modules not cached, with ``jobs`` parallel compile jobs; 0 when
+    all are built, None when the cost or cache state of one is unknown."""
+    missing = [m for m in modules if m.cached is not True]
+    if any(m.build_cpu_seconds is None for m in missing):
+        return None
+    return sum(m.build_cpu_seconds or 0.0 for m in missing) / max(1, jobs)
+
+
+def plan_lines(modules: Sequence[KernelModule], jobs: int) -> list[str]:
+    """What warm-up says before it starts: the cache location(s), and what is left to build."""
+    if not modules:
+        return ["no compiled kernel modules to build (the selected backends need none)"]
+    lines = [f"kernel cache: {d}" for d in sorted({m.cache_dir for m in modules if m.cache_dir})]
+    built = sum(1 for m in modules if m.cached is True)
+    unknown = sum(1 for m in modules if m.cached is None)
+    todo = len(modules) - built - unknown
+    estimate = estimate_build_seconds(modules, jobs)
+    parts = [f"{built} built", f"{todo} to build"] + ([f"{unknown} unknown"] if unknown else [])
+    line = f"kernel modules: {len(modules)} ({', '.join(parts)})"
+    if todo and estimate is not None:
+        line += f"; about {_duration(estimate)} with {jobs} compile jobs"
+    lines.append(line)
+    lines += [f"  {'built   ' if m.cached else 'to build'}  {m.name}" for m in modules]
+    return lines
+
+
+def progress_bar(elapsed: float, estimate: float | None, done: int, total: int) -> str:
+    """One progress line: a bar by time against the estimate (by steps without one)."""
+    width = 20
+    if estimate:
+        filled = min(width, int(width * elapsed / estimate))
+        tail = f"{_duration(elapsed)} of about {_duration(estimate)}"
+    else:
+        filled = width * done // max(1, total)
+        tail = _duration(elapsed)
+    return f"[{'#' * filled}{'.' * (width - filled)}] {tail}, {done}/{total} steps done"
+
+
+def _duration(seconds: float) -> str:
+    return f"{seconds:.0f} s" if seconds < 120 else f"{seconds / 60:.1f} min"
 
 
 def _named(spec: SpecLike) -> tuple[str, AttentionSpec]:
@@ -94,11 +158,14 @@ def warmup(
     progress: Callable[[str], None] | None = None,
     max_workers: int = 4,
     platform: Platform | str | None = None,
+    tick_seconds: float = 15.0,
 ) -> WarmupReport:
     """Build or load every kernel the given specs use on ``device``; one line per step to
     ``progress`` as it finishes. Raises the first step's error (a `NoBackendError` names every
     candidate's reasons) after the other steps have finished. ``platform`` overrides the
-    detected one (tests run a GPU backend's path over a fake library this way)."""
+    detected one (tests run a GPU backend's path over a fake library this way). Before the
+    steps it reports the cache location and the modules left to build with an estimate; while
+    they run, a progress line every ``tick_seconds``."""
     named = [_named(s) for s in ((specs,) if isinstance(specs, (AttentionSpec, str)) else specs)]
     if not named:
         raise ParamsError("warmup() needs at least one spec or preset name")
@@ -107,23 +174,42 @@ def warmup(
     except (RuntimeError, TypeError) as exc:
         raise ParamsError(f"device {device!r} is not a torch device: {exc}") from None
     jobs: list[tuple[str, AttentionSpec, tuple[int, ...]]] = []
+    modules: dict[str, KernelModule] = {}
     for name, spec in named:
         chosen = select(spec, device=dev, platform=platform)
         limit = chosen.backend.capabilities.fused_rope_max_seqlen
         jobs += [(name, spec, lengths) for lengths in warmup_batches(limit)]
+        if isinstance(chosen.backend, PrefillBackend):  # a bare protocol backend lists none
+            for module in chosen.backend.kernel_modules(spec, dev):
+                modules.setdefault(module.name, module)
+    found = tuple(modules.values())
+    estimate = estimate_build_seconds(found, build_jobs())
+    say = progress if progress is not None else (lambda line: None)
+    for line in plan_lines(found, build_jobs()):
+        say(line)
     start = time.perf_counter()
     steps: list[WarmupStep] = []
     with ThreadPoolExecutor(max_workers=max(1, min(max_workers, len(jobs)))) as pool:
-        futures = [
+        pending: set[Future[WarmupStep]] = {
             pool.submit(_run, name, spec, dev, lengths, platform) for name, spec, lengths in jobs
-        ]
-        for i, future in enumerate(futures, 1):
-            step = future.result()
-            steps.append(step)
-            if progress is not None:
-                progress(
-                    f"[{i}/{len(jobs)}] {step.spec}: {step.backend}, lengths "
+        }
+        order = list(pending)
+        failed: BaseException | None = None
+        while pending:
+            finished, pending = wait(pending, timeout=tick_seconds, return_when=FIRST_COMPLETED)
+            for future in sorted(finished, key=order.index):
+                if future.exception() is not None:
+                    failed = failed or future.exception()
+                    continue
+                step = future.result()
+                steps.append(step)
+                say(
+                    f"[{len(steps)}/{len(jobs)}] {step.spec}: {step.backend}, lengths "
                     f"{','.join(map(str, step.lengths))}, preprocess {step.preprocess}: "
                     f"{step.seconds:.1f} s"
                 )
-    return WarmupReport(str(dev), tuple(steps), time.perf_counter() - start)
+            if pending and not finished:
+                say(progress_bar(time.perf_counter() - start, estimate, len(steps), len(jobs)))
+        if failed is not None:
+            raise failed
+    return WarmupReport(str(dev), tuple(steps), time.perf_counter() - start, found, estimate)

@@ -12,6 +12,7 @@ from __future__ import annotations
 import dataclasses
 import gc
 import importlib
+import importlib.metadata
 import inspect
 from collections.abc import Callable
 from typing import Any, ClassVar
@@ -115,7 +116,13 @@ def test_fake_signatures_match_real_flashinfer():
         RUN: wrapper.run,
         TRT: real.trtllm_fmha_v2_prefill,
     }
-    for name, stub in fake_flashinfer.SIGNATURES.items():
+    version = importlib.metadata.version("flashinfer-python")
+    known = fake_flashinfer.SIGNATURES_BY_VERSION
+    assert version in known, (
+        f"flashinfer {version} is installed; the fake has parameter lists for "
+        f"{', '.join(known)}: add this release's (tests/fakes/fake_flashinfer.py) or install one"
+    )
+    for name, stub in known[version].items():
         theirs = [
             (p.name, p.kind, p.default)
             for p in inspect.signature(objects[name]).parameters.values()

@@ -5,6 +5,7 @@ announces a JIT module's first use instead of a silent stall."""
 from __future__ import annotations
 
 import logging
+import time
 
 import pytest
 import torch
@@ -12,6 +13,7 @@ from attn_backends_builtin import flashinfer as flashinfer_plugin
 from attn_backends_builtin.flashinfer import FlashinferRopeBackend
 
 import attn_backends as ab
+from attn_backends import _warmup
 from attn_backends.cli import main
 from tests.fakes.fake_flashinfer import FakeFlashinfer, install
 
@@ -40,7 +42,16 @@ def test_every_per_batch_path_runs_once(fake):
     modes = sorted(call.args["pos_encoding_mode"] for call in fake.named(PLAN))
     assert modes == ["NONE", "NONE", "ROPE_LLAMA"], "both kernels of flashinfer-rope were built"
     assert len(fake.named(RUN)) == 3
-    assert len(lines) == 3 and lines[0].startswith("[1/3] ")
+    step_lines = [line for line in lines if line.startswith("[") and "/3] " in line[:6]]
+    assert len(step_lines) == 3 and step_lines[0].startswith("[1/3] ")
+    assert [m.name for m in report.modules] == [
+        "flashinfer fa3 bfloat16 d64 posenc=NONE",
+        "flashinfer fa2 bfloat16 d128 posenc=ROPE_LLAMA",
+        "flashinfer fa3 bfloat16 d128 posenc=NONE",
+    ]
+    assert lines[0] == "kernel modules: 3 (0 built, 0 to build, 3 unknown)", (
+        "the fake has no JIT cache to ask: unknown, not claimed built"
+    )
     again = ab.warmup("short", device="cpu", platform=SM90)
     assert [s.lengths for s in again.steps] == [(8, 3), (limit + 1, 2)]
 
@@ -57,11 +68,63 @@ def test_an_unservable_spec_raises_the_selection_error():
         ab.warmup(fp8_rope, device="cpu")
 
 
+def _module(name: str, cached: bool | None, cpu: float | None = 100.0) -> ab.KernelModule:
+    return ab.KernelModule(name, cached, cpu, "/cache/jit")
+
+
+def test_the_plan_says_where_the_cache_is_and_what_is_left_to_build():
+    modules = [_module("a", True), _module("b", False, 600.0), _module("c", False, 200.0)]
+    lines = _warmup.plan_lines(modules, jobs=8)
+    assert lines[0] == "kernel cache: /cache/jit"
+    assert lines[1] == "kernel modules: 3 (1 built, 2 to build); about 100 s with 8 compile jobs"
+    assert lines[2:] == ["  built     a", "  to build  b", "  to build  c"]
+    assert _warmup.estimate_build_seconds(modules, 8) == pytest.approx(100.0)
+    assert _warmup.estimate_build_seconds([_module("a", True)], 8) == 0.0
+    assert _warmup.estimate_build_seconds([_module("x", None, None)], 8) is None
+    assert _warmup.plan_lines([], jobs=8) == [
+        "no compiled kernel modules to build (the selected backends need none)"
+    ]
+
+
+def test_build_jobs_follow_max_jobs(monkeypatch):
+    monkeypatch.setenv("MAX_JOBS", "3")
+    assert _warmup.build_jobs() == 3
+    monkeypatch.setenv("MAX_JOBS", "many")
+    assert _warmup.build_jobs() >= 1
+
+
+def test_a_long_step_reports_progress_while_it_runs(monkeypatch):
+    real = _warmup._run
+
+    def slow(*args, **kwargs):
+        time.sleep(0.3)
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(_warmup, "_run", slow)
+    lines: list[str] = []
+    ab.warmup("bge-m3", device="cpu", progress=lines.append, tick_seconds=0.05)
+    bars = [line for line in lines if line.startswith("[") and "steps done" in line]
+    assert bars, f"no progress line while the step ran: {lines}"
+    assert bars[0].endswith("0/1 steps done")
+    assert lines[-1].startswith("[1/1] bge-m3: torch-sdpa")
+
+
+def test_the_progress_bar_fills_with_time_against_the_estimate():
+    assert _warmup.progress_bar(30.0, 60.0, 1, 4) == (
+        "[##########..........] 30 s of about 60 s, 1/4 steps done"
+    )
+    assert _warmup.progress_bar(600.0, 60.0, 3, 4).startswith("[####################] 10.0 min")
+    assert _warmup.progress_bar(5.0, None, 2, 4) == "[##########..........] 5 s, 2/4 steps done"
+
+
 def test_the_command_prints_a_line_per_step(capsys):
     assert main(["warmup", "--preset", "bge-m3", "--preset", "short", "--device", "cpu"]) == 0
     out = capsys.readouterr().out.splitlines()
     assert out[0].startswith("warming up bge-m3, short on cpu")
-    assert out[1].startswith("[1/2] bge-m3: torch-sdpa") and out[-1].startswith("done in ")
+    assert out[1] == "no compiled kernel modules to build (the selected backends need none)"
+    steps = sorted(line.split("] ", 1)[1].split(",")[0] for line in out[2:4])
+    assert steps == ["bge-m3: torch-sdpa", "short: torch-sdpa"], out  # in the order they finish
+    assert out[2].startswith("[1/2] ") and out[-1].startswith("done in ")
 
 
 def test_a_jit_module_announces_its_first_use_once(fake, caplog):

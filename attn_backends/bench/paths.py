@@ -17,7 +17,7 @@ legacy path is in `legacy`, the raw kernel in `raw`, graph replay in `graphs`.
 from __future__ import annotations
 
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
@@ -141,14 +141,12 @@ def build_public(
     *,
     backend: str | None,
     prepare_iters: int = 10,
-    buffers: Sequence[torch.Tensor] = (),
 ) -> PreparedPath | Skip:
     """``select`` (auto when ``backend`` is None) + ``prepare``; ``run`` is ``forward``.
 
-    Each of ``buffers`` (the timed input sets) gets a plan of its own, prepared here: an engine
-    hands ``forward`` the same QKV buffer layer after layer, and a plan checks a buffer once
-    and remembers it, so one plan per buffer is that steady state while the timed calls still
-    rotate buffers past the L2. Any other buffer uses one shared plan.
+    One plan serves every timed call, as an engine's plan serves every layer of its batch: the
+    timed calls rotate a few input buffers past the L2, as the layers of an engine get their
+    QKV from a few allocator blocks in turn, and the plan checks each buffer once.
 
     An explicitly named backend that refuses the spec is a `Skip` carrying its reasons; the
     automatic choice failing is an error.
@@ -170,10 +168,10 @@ def build_public(
     prepare_ms = time_host(lambda: impl.prepare(params), iters=prepare_iters, device=params.device)
     plan = impl.prepare(params)
     details = with_batch_preprocess(details, plan.preprocess)
-    plans = {buffer.data_ptr(): impl.prepare(params) for buffer in buffers}
+    forward = impl.forward
 
     def run(qkv: torch.Tensor) -> torch.Tensor:
-        return impl.forward(qkv, plans.get(qkv.data_ptr(), plan))
+        return forward(qkv, plan)
 
     return PreparedPath(run, selection.name, details, prepare_ms, select_ms)
 

@@ -159,7 +159,7 @@ def _run_paths(state: WorkloadRun) -> None:
         "api",
         "api",
         "public API",
-        functools.partial(build_public, spec, params, backend=None, buffers=state.sets),
+        functools.partial(build_public, spec, params, backend=None),
     )
     raw = state.check(
         "raw",
@@ -201,7 +201,7 @@ def _check_throughput_paths(state: WorkloadRun) -> list[Checked]:
                 f"backend:{name}",
                 "backend",
                 f"{name} alone",
-                functools.partial(build_public, spec, params, backend=name, buffers=state.sets),
+                functools.partial(build_public, spec, params, backend=name),
                 backend=name,
             )
         )
@@ -224,7 +224,7 @@ def _check_throughput_paths(state: WorkloadRun) -> list[Checked]:
                     f"attention-alone:{name}",
                     "attention-alone",
                     "attention alone (no RoPE)",
-                    functools.partial(build_public, bare, params, backend=name, buffers=state.sets),
+                    functools.partial(build_public, bare, params, backend=name),
                     spec=bare,
                     backend=name,
                 )

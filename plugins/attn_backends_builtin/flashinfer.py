@@ -50,6 +50,7 @@ from attn_backends import (
     Capabilities,
     FMHAParams,
     GraphBucket,
+    KernelModule,
     Platform,
     PluginManifest,
     PrefillBackend,
@@ -76,6 +77,7 @@ from ._flashinfer_common import (
     nonempty_lengths,
     stream_key,
 )
+from ._flashinfer_jit import kernel_module
 from ._flashinfer_rope import FLASHINFER_ROPE
 
 API_VERSION = "1.0"
@@ -247,6 +249,12 @@ class FlashinferBackend(PrefillBackend):
             )
             for fused in self._fusion_cases(spec)
         )
+
+    def kernel_modules(self, spec: AttentionSpec, device: torch.device) -> tuple[KernelModule, ...]:
+        sm = device_sm(device)
+        if sm is None:
+            return ()
+        return tuple(kernel_module(m) for m in self.jit_modules(spec, sm))
 
     def accepts_rows(self, rows: torch.Tensor) -> bool:
         return is_aligned(rows)

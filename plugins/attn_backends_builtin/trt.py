@@ -32,6 +32,7 @@ from attn_backends import (
     Capabilities,
     FMHAParams,
     InputLayout,
+    KernelModule,
     Platform,
     PluginManifest,
     PrefillBackend,
@@ -46,11 +47,13 @@ from ._flashinfer_common import (
     SIXTEEN_BIT,
     JitModule,
     StreamBuffers,
+    device_sm,
     is_aligned,
     nonempty_lengths,
     prefix_sums,
     stream_key,
 )
+from ._flashinfer_jit import kernel_module
 
 API_VERSION = "1.0"
 KERNEL_SOURCE = "flashinfer.trtllm_fmha_v2_prefill"
@@ -127,6 +130,12 @@ class TrtBackend(PrefillBackend):
     def jit_modules(self, spec: AttentionSpec, sm: int) -> tuple[JitModule, ...]:
         """The flashinfer JIT module this backend loads: one per (layout, dtype)."""
         return (JitModule("fmha_v2", dtype_name(spec.dtype), None),)
+
+    def kernel_modules(self, spec: AttentionSpec, device: torch.device) -> tuple[KernelModule, ...]:
+        sm = device_sm(device)
+        if sm is None:
+            return ()
+        return tuple(kernel_module(m) for m in self.jit_modules(spec, sm))
 
     def plan_kernel(self, spec: AttentionSpec, params: FMHAParams, *, fused_rope: bool) -> TrtPlan:
         device = params.device

@@ -1,8 +1,10 @@
 #!/usr/bin/env bash
 # Everything the H200 verification runs, in order, each step logged with its time:
 # flashinfer's JIT modules (scripts/gpu/prebuild.py), the GPU tests (tests/gpu, graph mode on
-# a whole encoder included), the whole-encoder graph timing (scripts/gpu/graph_encoder.py), the
-# conformance suite of every CUDA backend (scripts/gpu/conformance.sh), then the benchmark
+# a whole encoder included), the whole-encoder graph timing (scripts/gpu/graph_encoder.py; off
+# with GRAPH_TIMING=0), the
+# conformance suite of every CUDA backend (scripts/gpu/conformance.sh), the host-time profile
+# (scripts/gpu/host_profile.py), then the benchmark
 # (BENCH_ARGS are passed to it). Started by
 # scripts/gpu/verify.sh, which packs RUN_DIR; writes RUN_DIR/finished when done.
 set -u
@@ -31,16 +33,24 @@ timeout "${GPU_TESTS_TIMEOUT:-360}" python3 -m pytest -q -p no:cacheprovider -o 
 step "gpu tests rc=$?"
 tail -5 "$run_dir/gpu-tests.log"
 
-step "graph mode timing on a whole encoder"
-timeout 240 python3 scripts/gpu/graph_encoder.py "$run_dir/graph_encoder.json" \
-    >"$run_dir/graph_encoder.log" 2>&1
-step "graph encoder rc=$?"
-tail -8 "$run_dir/graph_encoder.log"
+if [ "${GRAPH_TIMING:-1}" = 1 ]; then
+    step "graph mode timing on a whole encoder"
+    timeout 240 python3 scripts/gpu/graph_encoder.py "$run_dir/graph_encoder.json" \
+        >"$run_dir/graph_encoder.log" 2>&1
+    step "graph encoder rc=$?"
+    tail -8 "$run_dir/graph_encoder.log"
+fi
 
 step "conformance: flashinfer flashinfer-rope trt torch-sdpa headwise"
 RUN_TIMEOUT=${RUN_TIMEOUT:-420} scripts/gpu/conformance.sh "$run_dir/conformance" \
     flashinfer flashinfer-rope trt torch-sdpa headwise
 step "conformance done"
+
+step "where forward's host time goes"
+timeout 120 python3 scripts/gpu/host_profile.py "$run_dir/host_profile.json" \
+    >"$run_dir/host_profile.log" 2>&1
+step "host profile rc=$?"
+head -12 "$run_dir/host_profile.log"
 
 step "benchmark"
 python3 -m attn_backends.bench --out "$run_dir/bench" ${BENCH_ARGS:-} \

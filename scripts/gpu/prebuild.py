@@ -16,6 +16,11 @@ own ``jit_modules`` to the module it loads. flashinfer's in-place RoPE module is
 contract uses it for the separate RoPE pass when the native kernel is unavailable, and
 scripts/gpu/rope_kernel.py measures it.
 
+Module names, flashinfer build specs, cost estimates and the final load are the ones
+``attn-backends warmup`` uses (``attn_backends_builtin._flashinfer_jit``); this script only
+adds the combined build below, which an offline maintainer's machine needs to finish all
+modules within one 10-minute slot.
+
 How: worker processes, one per module (never the same module twice), generate the sources and
 the build file of their module in parallel. One ninja run then compiles the objects of all
 modules together with ``MAX_JOBS`` jobs, so the eight heavy objects of an fa3 module and the
@@ -50,6 +55,7 @@ from typing import Any
 
 import torch
 from attn_backends_builtin._flashinfer_common import JitModule
+from attn_backends_builtin._flashinfer_jit import BUILD_CPU_SECONDS, ROPE_MODULE, jit_spec, load
 from attn_backends_builtin.flashinfer import FlashinferBackend, FlashinferRopeBackend
 from attn_backends_builtin.trt import TrtBackend
 
@@ -59,13 +65,6 @@ from attn_backends.testing.cases import conformance_cases
 SM = 90
 ARCH_LIST = "9.0a"
 """sm90a: what fa3 and the FMHA v2 warp-specialized kernels need ("9.0" means the same)."""
-ROPE = JitModule("rope", "any", None)
-EST_CPU_S = {"fa3": 720.0, "fa2": 180.0, "fmha_v2": 2300.0, "rope": 100.0}
-"""Rough CPU-seconds per module: fa3 10 objects, 8 of them about 80 s each, and fa2 10 objects
-of about 19 s each (single objects timed on one core, nvcc 13.0); FMHA v2 about 136 objects,
-from the H200 machine's rate of about one object per second on 16 cores; flashinfer's RoPE 2
-objects."""
-DTYPES = {"float16": torch.float16, "bfloat16": torch.bfloat16}
 Backend = FlashinferBackend | TrtBackend
 
 
@@ -101,7 +100,7 @@ def needed_modules() -> dict[JitModule, set[str]]:
                     continue  # refused: skipped by the suite, not run by the benchmark
                 for module in backend.jit_modules(spec, SM):
                     users[module].add(f"{use}:{backend.name}")
-    users[ROPE].add("rope_kernel.py; the RoPE pass when the native kernel is missing")
+    users[ROPE_MODULE].add("rope_kernel.py; the RoPE pass when the native kernel is missing")
     return dict(users)
 
 
@@ -111,65 +110,12 @@ def order(modules: list[JitModule]) -> list[JitModule]:
     return sorted(modules, key=lambda m: (rank[m.kind], m))
 
 
-def _spec(module: JitModule) -> Any:
-    """flashinfer's JitSpec for a module: exactly the one its wrapper or function builds."""
-    from flashinfer.jit.attention.modules import (
-        _gen_batch_prefill_primary_module,
-        gen_batch_prefill_module,
-        gen_fmha_v2_module,
-    )
-    from flashinfer.jit.rope import gen_rope_module
-
-    if module.kind == "rope":
-        return gen_rope_module()
-    dtype = DTYPES[module.dtype]
-    if module.kind == "fmha_v2":
-        return gen_fmha_v2_module("PACKED_QKV", dtype, None)
-    gen = gen_batch_prefill_module if module.kind == "fa3" else _gen_batch_prefill_primary_module
-    return gen(*_prefill_key(module))
-
-
-def load(module: JitModule) -> None:
-    """Load through the function the backend's call path uses (a build if not cached)."""
-    import flashinfer.prefill as prefill
-    import flashinfer.rope as rope
-
-    if module.kind == "rope":
-        rope.get_rope_module()
-        return
-    dtype = DTYPES[module.dtype]
-    if module.kind == "fmha_v2":
-        prefill.get_trtllm_fmha_v2_module("PACKED_QKV", dtype, None)
-        return
-    prefill.get_batch_prefill_module(*_prefill_key(module))
-
-
-def _prefill_key(module: JitModule) -> tuple[object, ...]:
-    """flashinfer's batch-prefill module key: backend, q/kv/o dtypes, index dtype, head dims,
-    position encoding, then sliding window, logits soft cap and fp16 QK reduction (all off)."""
-    dtype = DTYPES[module.dtype]
-    dim = module.head_dim
-    return (
-        module.kind,
-        dtype,
-        dtype,
-        dtype,
-        torch.int32,
-        dim,
-        dim,
-        int(module.rope),
-        False,
-        False,
-        False,
-    )
-
-
 def generate(module: JitModule) -> dict[str, Any]:
     """Worker: write one module's sources and build file."""
     from filelock import FileLock
 
     start = time.perf_counter()
-    spec = _spec(module)
+    spec = jit_spec(module)
     with FileLock(spec.lock_path, thread_local=False):
         spec.write_ninja()
     return {
@@ -321,13 +267,13 @@ def main() -> int:
     modules = [
         m
         for m in order(list(users))
-        if not (args.no_rope and m == ROPE) and not any(s in str(m) for s in args.skip)
+        if not (args.no_rope and m == ROPE_MODULE) and not any(s in str(m) for s in args.skip)
     ]
     print(
         f"FLASHINFER_CUDA_ARCH_LIST={os.environ['FLASHINFER_CUDA_ARCH_LIST']} MAX_JOBS={jobs} "
         f"FLASHINFER_WORKSPACE_BASE={os.environ.get('FLASHINFER_WORKSPACE_BASE', '~')}"
     )
-    estimate = sum(EST_CPU_S[m.kind] for m in modules)
+    estimate = sum(BUILD_CPU_SECONDS[m.kind] for m in modules)
     print(
         f"{len(modules)} modules, estimated {estimate:.0f} CPU-s, about "
         f"{estimate / jobs / 60:.1f} min on {jobs} jobs:"

@@ -14,8 +14,9 @@ _ab_root=$(pwd)
 export PYTHONPATH="/tmp/site${PYTHONPATH:+:$PYTHONPATH}"
 export FLASHINFER_CUDA_ARCH_LIST="9.0a"  # sm90a: fa3 and FMHA v2's warp-specialized kernels
 export MAX_JOBS="${MAX_JOBS:-$(nproc)}"  # ninja -j for flashinfer's JIT builds
-# flashinfer's JIT cache in the git-ignored build/ of the checkout, kept there between runs.
-export FLASHINFER_WORKSPACE_BASE="$_ab_root/build/gpu-cache"
+# flashinfer's JIT cache: in the git-ignored build/ of the checkout unless already set (a run
+# that warmed up through the README's commands shares its cache this way).
+export FLASHINFER_WORKSPACE_BASE="${FLASHINFER_WORKSPACE_BASE:-$_ab_root/build/gpu-cache}"
 export FLASHINFER_NO_DOWNLOAD=1  # offline: fail at once instead of trying to fetch kernels
 
 _ab_setup() {

@@ -151,6 +151,84 @@ SIGNATURES: dict[str, Callable[..., Any]] = {
 """Qualified real name -> stub with the real parameter list."""
 
 
+# flashinfer 0.7.4, the newest release in the supported range, appends parameters to ``plan``
+# and ``run`` (all with defaults). The fake binds calls to the 0.7.0.post1 lists, the oldest in
+# the range, so a keyword only newer releases take fails here; these lists let the signature
+# check compare whichever release is installed.
+
+
+def _sig_plan_074(
+    self: Any,
+    qo_indptr: torch.Tensor,
+    kv_indptr: torch.Tensor,
+    num_qo_heads: int,
+    num_kv_heads: int,
+    head_dim_qk: int,
+    head_dim_vo: int | None = None,
+    custom_mask: torch.Tensor | None = None,
+    packed_custom_mask: torch.Tensor | None = None,
+    causal: bool = False,
+    pos_encoding_mode: str = "NONE",
+    use_fp16_qk_reduction: bool = False,
+    window_left: int = -1,
+    logits_soft_cap: float | None = None,
+    sm_scale: float | None = None,
+    rope_scale: float | None = None,
+    rope_theta: float | None = None,
+    q_data_type: str | torch.dtype = "float16",
+    kv_data_type: str | torch.dtype | None = None,
+    o_data_type: str | torch.dtype | None = None,
+    non_blocking: bool = True,
+    prefix_len_ptr: torch.Tensor | None = None,
+    token_pos_in_items_ptr: torch.Tensor | None = None,
+    token_pos_in_items_len: int = 0,
+    max_item_len_ptr: torch.Tensor | None = None,
+    fixed_split_size: int | None = None,
+    disable_split_kv: bool = False,
+    seq_lens: torch.Tensor | None = None,
+    seq_lens_q: torch.Tensor | None = None,
+    max_token_per_sequence: int | None = None,
+    max_sequence_kv: int | None = None,
+    v_indptr: torch.Tensor | None = None,
+    o_indptr: torch.Tensor | None = None,
+    qo_indptr_cpu: torch.Tensor | None = None,
+    kv_indptr_cpu: torch.Tensor | None = None,
+    uniform_q_len: int | None = None,
+    use_token_head_sf: bool = False,
+) -> None: ...
+
+
+def _sig_run_074(
+    self: Any,
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    *args: Any,
+    q_scale: float | None = None,
+    k_scale: float | None = None,
+    v_scale: float | None = None,
+    o_scale: float | None = None,
+    out: torch.Tensor | None = None,
+    lse: torch.Tensor | None = None,
+    return_lse: bool = False,
+    lse_base: str = "log2",
+    lse_layout: str = "NH",
+    enable_pdl: bool | None = None,
+    kv_cache_sf: Any = None,
+) -> Any: ...
+
+
+SIGNATURES_BY_VERSION: dict[str, dict[str, Callable[..., Any]]] = {
+    FLASHINFER_VERSION: SIGNATURES,
+    "0.7.4": {
+        **SIGNATURES,
+        "BatchPrefillWithRaggedKVCacheWrapper.plan": _sig_plan_074,
+        "BatchPrefillWithRaggedKVCacheWrapper.run": _sig_run_074,
+    },
+}
+"""Each supported release's parameter lists, for comparing the fake with the installed one."""
+
+
 def _bind(name: str, args: tuple[Any, ...], kwargs: dict[str, Any]) -> dict[str, Any]:
     """Bind a call to the real signature (TypeError on a wrong name), defaults filled in."""
     bound = inspect.signature(SIGNATURES[name]).bind(*args, **kwargs)
