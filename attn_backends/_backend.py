@@ -29,6 +29,7 @@ from ._contract import (
     prepare_plan,
     run_forward,
 )
+from ._devices import indexed
 from ._errors import (
     AttentionBackendError,
     BackendFailure,
@@ -175,10 +176,8 @@ class PrefillBackend(ABC):
         if not isinstance(bucket, GraphBucket):
             raise ParamsError(f"prepare_graph() takes a GraphBucket, got {type(bucket).__name__}")
         try:
-            dev = torch.device(device if device is not None else "cuda")
-            if dev.type == "cuda" and dev.index is None:
-                # FMHAParams carry the indexed device their tensors landed on ("cuda:0").
-                dev = torch.device("cuda", torch.cuda.current_device())
+            # FMHAParams carry the indexed device their tensors landed on ("cuda:0").
+            dev = indexed(device if device is not None else "cuda")
         except (RuntimeError, TypeError, AssertionError) as exc:
             raise ParamsError(f"device {device!r} cannot hold a graph plan: {exc}") from None
         fused = self.capabilities.fuses_rope(spec, bucket.seqlen_limit)

@@ -16,6 +16,7 @@ from typing import Literal
 import torch
 
 from ._contract import Fp8Scales, PrefillPlan
+from ._devices import indexed
 from ._dtypes import dtype_name
 from ._errors import PlatformError
 from ._params import FMHAParams
@@ -95,7 +96,7 @@ def run_canary(
     no in-place pass touches) makes the result ``failed``. Raises
     `PlatformError` only when the device itself cannot hold the inputs.
     """
-    dev = torch.device(device)
+    dev = indexed(device)  # a tensor on "cuda" reports "cuda:0"
     params, qkv, scales = _inputs(spec, dev, seed)
     pristine = qkv.clone()
     tokens = params.token_q_num

@@ -20,6 +20,7 @@ from dataclasses import asdict, dataclass
 import torch
 import torch.distributed as dist
 
+from ._devices import indexed
 from ._errors import RankMismatchError
 from ._fingerprint import canonical, canonical_json, canonical_text, differing_fields
 from ._platform import Platform
@@ -119,7 +120,7 @@ def _failed(exc: Exception, where: str) -> RankDecision:
 def _collective_device(group: dist.ProcessGroup | None) -> torch.device:
     """NCCL moves only CUDA tensors; every other backend here takes CPU tensors."""
     if dist.get_backend(group) == "nccl":
-        return torch.device("cuda", torch.cuda.current_device())
+        return indexed("cuda")
     return torch.device("cpu")
 
 

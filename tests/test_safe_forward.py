@@ -243,3 +243,14 @@ def test_fp8_with_rope_is_refused_unless_the_backend_rotates_before_quantising()
     assert not ab.check_capabilities(declared, fp8, ab.parse_platform("cpu"))
     no_rope = ab.AttentionSpec(4, 4, 128, torch.float8_e4m3fn, causal=True)
     assert not ab.check_capabilities(caps, no_rope, ab.parse_platform("cpu"))
+
+
+def test_a_device_named_without_index_is_the_one_tensors_report(monkeypatch):
+    """Tensors on "cuda" report "cuda:N"; comparisons resolve the name first (the canary once
+    failed every backend on `check --device cuda` for comparing the two)."""
+    from attn_backends._devices import indexed
+
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 1)
+    assert indexed("cuda") == torch.device("cuda", 1)
+    assert indexed(torch.device("cuda", 0)) == torch.device("cuda", 0)
+    assert indexed("cpu") == torch.device("cpu")

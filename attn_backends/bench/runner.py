@@ -29,6 +29,7 @@ from attn_backends import (
     get_registry,
     select,
 )
+from attn_backends._devices import indexed
 from attn_backends._dtypes import dtype_name
 from attn_backends._preprocess import platform_of
 
@@ -288,9 +289,7 @@ def run_benchmark(
 ) -> BenchResult:
     """Run every configured workload; ``checkpoint`` gets the partial result after each one."""
     start = time.perf_counter()
-    dev = torch.device(device)
-    if dev.type == "cuda" and dev.index is None:
-        dev = torch.device("cuda", torch.cuda.current_device())
+    dev = indexed(device)
     meta = collect_meta(config, dev)
     meta["plugins"] = _plugin_records()
     loaded = _registered_backends()

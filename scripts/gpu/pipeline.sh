@@ -9,6 +9,7 @@
 # scripts/gpu/verify.sh, which packs RUN_DIR; writes RUN_DIR/finished when done.
 set -u
 run_dir=${1:?usage: scripts/gpu/pipeline.sh RUN_DIR}
+echo $$ >"$run_dir/pid"  # verify.sh watches this process
 step() { echo "[$(date +%T) +${SECONDS}s] $*"; }
 
 step "setup"

@@ -28,10 +28,13 @@ else
     rm -rf "$tree" && mkdir -p "$tree"
     tar --exclude=./build --exclude=./.git -cf - . | tar -xf - -C "$tree"
     abs_run=$(cd "$run_dir" && pwd)
+    rm -f "$run_dir/pid"
+    # The pipeline writes its own pid: under job control `setsid` forks, and `$!` would be
+    # the pid of a process that has already exited (a later call would start a second run).
     (cd "$tree" && setsid nohup bash scripts/gpu/pipeline.sh "$abs_run" \
-        >"$abs_run/pipeline.log" 2>&1 </dev/null &
-        echo $! >"$abs_run/pid")
-    echo "pipeline: started (pid $(cat "$run_dir/pid"))"
+        >"$abs_run/pipeline.log" 2>&1 </dev/null &)
+    for _ in $(seq 50); do [ -s "$run_dir/pid" ] && break; sleep 0.1; done
+    echo "pipeline: started (pid $(cat "$run_dir/pid" 2>/dev/null || echo unknown))"
 fi
 
 shown=0
