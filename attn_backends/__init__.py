@@ -48,6 +48,8 @@ from ._protocol import CudaGraphPrefill, NoCachePrefill
 from ._reasons import Reason, ReasonCode
 from ._reference import TOLERANCE, reference_attention, relative_error
 from ._registry import PluginPolicy, PluginRecord, Registry, get_registry, reset_registry
+from ._rope_hf import rope_spec_from_hf, rope_spec_from_hf_config
+from ._rope_scaling import ROPE_TYPES, RopeScaling
 from ._selector import Candidate, Selection, clear_selection_cache, select
 from ._spec import AttentionSpec, HeadwiseConfig, RopeSpec
 from ._warmup import WarmupReport, WarmupStep, warmup
@@ -58,6 +60,7 @@ __all__ = [
     "ENTRY_POINT_GROUP",
     "PAD_CHUNK",
     "PLUGIN_API_VERSION",
+    "ROPE_TYPES",
     "TOLERANCE",
     "AnyPlan",
     "AttentionBackendError",
@@ -100,6 +103,7 @@ __all__ = [
     "ReentrantRegistryError",
     "Registry",
     "RopePass",
+    "RopeScaling",
     "RopeSpec",
     "Selection",
     "SpecError",
@@ -123,6 +127,8 @@ __all__ = [
     "relative_error",
     "reset_registry",
     "rope_passes",
+    "rope_spec_from_hf",
+    "rope_spec_from_hf_config",
     "run_canary",
     "select",
     "select_across_ranks",

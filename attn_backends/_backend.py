@@ -181,15 +181,17 @@ class PrefillBackend(ABC):
         except (RuntimeError, TypeError, AssertionError) as exc:
             raise ParamsError(f"device {device!r} cannot hold a graph plan: {exc}") from None
         fused = self.capabilities.fuses_rope(spec, bucket.seqlen_limit)
-        mode = resolve_preprocess(spec, platform_of(dev), fused).mode
+        choice = resolve_preprocess(spec, platform_of(dev), fused)
+        mode = choice.mode
         reasons = self.graph_reasons(spec, dev)
         if mode not in GRAPH_MODES:
+            skipped = f" ({choice.fallback})" if choice.fallback else ""
             reasons.append(
                 Reason(
                     ReasonCode.CUDA_GRAPH,
                     f"the {mode} RoPE/logn pass takes the token count on the host and cannot be "
                     "replayed for another batch; graph mode needs the native kernel, fused RoPE "
-                    "or no RoPE/logn",
+                    f"or no RoPE/logn{skipped}",
                     "preprocess",
                     mode,
                     ", ".join(sorted(GRAPH_MODES)),

@@ -18,6 +18,11 @@ def _names(values: frozenset[int] | frozenset[str] | frozenset[torch.dtype]) -> 
     )
 
 
+def kernel_rope_fusable(spec: AttentionSpec) -> bool:
+    """A fused-RoPE kernel computes the spec's RoPE: fusable and plain theta (no scaling)."""
+    return spec.rope_fusable and spec.rope is not None and spec.rope.is_plain
+
+
 @dataclass(frozen=True)
 class PriorityRule:
     """How eagerly a backend wants a class of requests on a platform; the first match wins.
@@ -52,7 +57,7 @@ class PriorityRule:
             return False
         if self.causal is not None and spec.causal != self.causal:
             return False
-        if self.rope_fusable is not None and spec.rope_fusable != self.rope_fusable:
+        if self.rope_fusable is not None and kernel_rope_fusable(spec) != self.rope_fusable:
             return False
         return self.head_dims is None or spec.head_dim in self.head_dims
 
@@ -128,7 +133,7 @@ class Capabilities:
 
     def fuses_rope(self, spec: AttentionSpec, max_seqlen: int) -> bool:
         """Whether a batch whose longest sequence has ``max_seqlen`` tokens runs fused RoPE."""
-        if not (self.fused_rope and spec.rope_fusable):
+        if not (self.fused_rope and kernel_rope_fusable(spec)):
             return False
         limit = self.fused_rope_max_seqlen
         return limit is None or max_seqlen <= limit

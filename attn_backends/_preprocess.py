@@ -18,6 +18,7 @@ from dataclasses import dataclass
 import torch
 
 from . import _native
+from ._capabilities import kernel_rope_fusable
 from ._dtypes import dtype_name
 from ._errors import SpecError
 from ._params import FMHAParams
@@ -88,9 +89,19 @@ def preprocess_mode(spec: AttentionSpec, fused_rope: bool) -> PreprocessMode:
     """
     if spec.rope is None and not spec.use_logn_attn:
         return "none"
-    if fused_rope and spec.rope_fusable:
+    if fused_rope and kernel_rope_fusable(spec):
         return "fused"
     return "torch"
+
+
+def scaling_refusal(spec: AttentionSpec) -> str | None:
+    """Why a theta-only kernel cannot serve the spec's RoPE scaling (None: it has none)."""
+    if spec.rope is None or spec.rope.scaling is None or spec.rope.is_plain:
+        return None
+    return (
+        f"computes plain theta RoPE only, not {spec.rope.scaling.rope_type!r} scaling (the torch "
+        "pass applies every RoPE scaling type)"
+    )
 
 
 def native_refusal(spec: AttentionSpec, platform: Platform) -> str | None:
@@ -101,6 +112,9 @@ def native_refusal(spec: AttentionSpec, platform: Platform) -> str | None:
         return f"serves float32/float16/bfloat16, not {dtype_name(spec.dtype)}"
     if spec.rotary_dim > _native.MAX_ROTARY_DIM:
         return f"rotary_dim {spec.rotary_dim} > {_native.MAX_ROTARY_DIM}"
+    scaled = scaling_refusal(spec)
+    if scaled is not None:
+        return scaled
     if platform.assumed:
         return None
     return _native.unavailable_reason()
@@ -113,7 +127,9 @@ def _apply_native(packed: torch.Tensor, spec: AttentionSpec, params: FMHAParams)
 
 def apply_torch_pass(packed: torch.Tensor, spec: AttentionSpec, params: FMHAParams) -> bool:
     """The torch pass with tables built on the spot (plans build them once, in prepare)."""
-    _apply_torch(packed, spec, params, build_position_tables(spec, params.positions))
+    _apply_torch(
+        packed, spec, params, build_position_tables(spec, params.positions, params.max_seqlen_q)
+    )
     return True
 
 
@@ -256,7 +272,11 @@ def prepare_tables(
     The native kernel derives positions from ``cu_seqlens``; flashinfer reads
     ``params.positions`` (int32 on the device), which `FMHAParams` already holds.
     """
-    return build_position_tables(spec, params.positions) if mode == "torch" else None
+    return (
+        build_position_tables(spec, params.positions, params.max_seqlen_q)
+        if mode == "torch"
+        else None
+    )
 
 
 def apply_preprocess(

@@ -7,6 +7,7 @@ the whole no-cache path: RoPE, logn, masking, GQA and the trimming of padding ro
 from __future__ import annotations
 
 import math
+from typing import cast
 
 import torch
 
@@ -15,18 +16,89 @@ from ._params import FMHAParams
 from ._spec import AttentionSpec
 
 
-def _rotate(x: torch.Tensor, positions: torch.Tensor, spec: AttentionSpec) -> torch.Tensor:
-    """RoPE as a complex rotation of each (even, odd) or (i, i + r/2) pair."""
+def _frequencies(spec: AttentionSpec, seq_len: int, device: torch.device) -> torch.Tensor:
+    """Float64 inverse frequency per rotated pair, each scaling rule derived here on its own
+    (whole-vector torch math rather than the per-pair loop of ``_rope_scaling``)."""
     assert spec.rope is not None
     r = spec.rotary_dim
+    theta = float(spec.rope.theta)
+    exponent = torch.arange(0, r, 2, dtype=torch.float64, device=device) / r
+    base = theta ** (-exponent)
+    sc = spec.rope.scaling
+    if sc is None or sc.rope_type == "default":
+        return base
+    f = float(sc.factor)
+    if sc.rope_type == "linear":
+        return base / f
+    if sc.rope_type == "dynamic":
+        m = float(cast(int, sc.max_position_embeddings))
+        grown = f * max(float(seq_len), m) / m - f + 1.0
+        stretched_theta: float = theta * grown ** (r / (r - 2.0))
+        return stretched_theta ** (-exponent)
+    if sc.rope_type == "longrope":
+        limit = cast(int, sc.original_max_position_embeddings)
+        chosen = sc.long_factor if seq_len > limit else sc.short_factor
+        return base / torch.tensor(chosen, dtype=torch.float64, device=device)
+    if sc.rope_type == "proportional":
+        keep = torch.arange(r // 2, device=device) < int(sc.partial_rotary_factor * r // 2)
+        return torch.where(keep, base / f, torch.zeros_like(base))
+    original = float(cast(int, sc.original_max_position_embeddings))
+    turns = original * base / (2 * math.pi)  # rotations of each pair over the original context
+    if sc.rope_type == "llama3":
+        low, high = float(cast(float, sc.low_freq_factor)), float(cast(float, sc.high_freq_factor))
+        # Share kept at full frequency: 0 below low_freq_factor turns, 1 above high_freq_factor.
+        kept = ((turns - low) / (high - low)).clamp(0.0, 1.0)
+        return base * (kept + (1.0 - kept) / f)
+
+    # yarn: the pair index where a pair turns beta times over the original context.
+    def index_at(beta: float) -> float:
+        return r / 2 * math.log(original / (2 * math.pi * beta)) / math.log(theta)
+
+    lo, hi = index_at(float(sc.beta_fast)), index_at(float(sc.beta_slow))
+    if sc.truncate:
+        lo, hi = float(math.floor(lo)), float(math.ceil(hi))
+    lo, hi = max(lo, 0.0), min(hi, r - 1.0)
+    width = hi - lo if hi != lo else 0.001
+    i = torch.arange(r // 2, dtype=torch.float64, device=device)
+    stretched = ((i - lo) / width).clamp(0.0, 1.0)
+    return base * (1.0 - stretched * (1.0 - 1.0 / f))  # blends frequencies, not wavelengths
+
+
+def _attention_factor(spec: AttentionSpec) -> float:
+    """The cos/sin magnitude of YaRN and longrope (1 for every other rule)."""
+    assert spec.rope is not None
+    sc = spec.rope.scaling
+    if sc is None or sc.rope_type not in ("yarn", "longrope"):
+        return 1.0
+    if sc.attention_factor is not None:
+        return float(sc.attention_factor)
+    f = float(sc.factor)
+    if f <= 1.0:
+        return 1.0
+    if sc.rope_type == "longrope":
+        return math.sqrt(
+            1.0 + math.log(f) / math.log(cast(int, sc.original_max_position_embeddings))
+        )
+    if sc.mscale and sc.mscale_all_dim:
+        return (1.0 + 0.1 * sc.mscale * math.log(f)) / (1.0 + 0.1 * sc.mscale_all_dim * math.log(f))
+    return 1.0 + 0.1 * math.log(f)
+
+
+def _rotate(
+    x: torch.Tensor, positions: torch.Tensor, spec: AttentionSpec, seq_len: int | None = None
+) -> torch.Tensor:
+    """RoPE as a complex rotation of each (even, odd) or (i, i + r/2) pair, scaled by the
+    attention factor; ``seq_len`` is the batch's longest sequence (dynamic, longrope), by
+    default the largest position plus one."""
+    assert spec.rope is not None
+    if seq_len is None:
+        seq_len = int(positions.max()) + 1 if positions.numel() else 0
+    r = spec.rotary_dim
     half = r // 2
-    freqs = torch.tensor(
-        [spec.rope.theta ** (-2.0 * i / r) for i in range(half)],
-        dtype=torch.float64,
-        device=x.device,
-    )
+    freqs = _frequencies(spec, seq_len, x.device)
     angles = positions.to(torch.float64)[:, None] * freqs[None, :]
-    phase = torch.polar(torch.ones_like(angles), angles)[:, None, :]
+    magnitude = torch.full_like(angles, _attention_factor(spec))
+    phase = torch.polar(magnitude, angles)[:, None, :]
     head = x[..., :r]
     if spec.rope.interleaved:
         pairs = torch.complex(head[..., 0::2], head[..., 1::2]) * phase
@@ -77,8 +149,9 @@ def reference_attention(
         v = v * float(fp8_scales.v)
     positions = torch.cat([torch.arange(n, device=device) for n in params.input_lengths])
     if spec.rope is not None:
-        q = _rotate(q, positions, spec)
-        k = _rotate(k, positions, spec)
+        longest = max(params.input_lengths)
+        q = _rotate(q, positions, spec, longest)
+        k = _rotate(k, positions, spec, longest)
     if spec.use_logn_attn:
         assert spec.logn_base is not None
         factor = torch.tensor(

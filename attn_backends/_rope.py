@@ -25,24 +25,45 @@ class PositionTables:
     """``[token_q_num, 1, 1]`` Q multiplier, or None without logn."""
 
 
-def build_position_tables(spec: AttentionSpec, positions: torch.Tensor) -> PositionTables:
-    """Host-side work of RoPE/logn for one batch: angles and scales for every token."""
+def build_position_tables(
+    spec: AttentionSpec, positions: torch.Tensor, seq_len: int | None = None
+) -> PositionTables:
+    """Host-side work of RoPE/logn for one batch: angles and scales for every token.
+
+    ``seq_len`` is the batch's longest sequence (``FMHAParams.max_seqlen_q``), which dynamic
+    and longrope scaling read; ``None`` derives it from ``positions`` (a device sync).
+    """
     pos = positions.to(torch.float64)
     cos = sin = logn = None
     if spec.rope is not None:
-        half = spec.rotary_dim // 2
-        exponent = (
-            torch.arange(half, dtype=torch.float64, device=pos.device) * 2.0 / spec.rotary_dim
+        inv_freq = torch.tensor(
+            rope_frequencies(spec, seq_len if seq_len is not None else _longest(positions)),
+            dtype=torch.float64,
+            device=pos.device,
         )
-        inv_freq = spec.rope.theta ** (-exponent)
         angles = pos[:, None] * inv_freq[None, :]
-        cos = angles.cos().to(torch.float32)[:, None, :]
-        sin = angles.sin().to(torch.float32)[:, None, :]
+        factor = spec.rope.scaling.attention_scaling if spec.rope.scaling is not None else 1.0
+        cos = (angles.cos() * factor).to(torch.float32)[:, None, :]
+        sin = (angles.sin() * factor).to(torch.float32)[:, None, :]
     if spec.use_logn_attn:
         assert spec.logn_base is not None  # guaranteed by AttentionSpec validation
         scale = torch.log(pos + 1.0) / math.log(spec.logn_base)
         logn = scale.clamp(min=1.0).to(torch.float32)[:, None, None]
     return PositionTables(cos=cos, sin=sin, logn=logn)
+
+
+def rope_frequencies(spec: AttentionSpec, seq_len: int) -> list[float]:
+    """Float64 inverse frequency of each rotated pair for a batch whose longest sequence has
+    ``seq_len`` tokens: plain ``theta ** (-2i / rotary_dim)``, or the spec's scaling rule."""
+    assert spec.rope is not None
+    r = spec.rotary_dim
+    if spec.rope.scaling is None:
+        return [spec.rope.theta ** (-2.0 * i / r) for i in range(r // 2)]
+    return spec.rope.scaling.inverse_frequencies(spec.rope.theta, r, seq_len)
+
+
+def _longest(positions: torch.Tensor) -> int:
+    return int(positions.max()) + 1 if positions.numel() else 0
 
 
 def apply_rope_logn(

@@ -99,7 +99,7 @@ def rotate_separate(
 ) -> None:
     """RoPE on the valid rows of ``q`` and ``k`` and logn on ``q``, in place (torch ops)."""
     if tables is None:
-        tables = build_position_tables(spec, params.positions)
+        tables = build_position_tables(spec, params.positions, params.max_seqlen_q)
     tokens = params.token_q_num
     apply_rope_logn(q[:tokens], spec.num_heads, spec, tables)
     apply_rope_logn(k[:tokens], 0, spec, tables)

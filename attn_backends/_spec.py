@@ -9,6 +9,7 @@ import torch
 
 from ._dtypes import MODEL_DTYPES, dtype_name, is_fp8
 from ._errors import SpecError
+from ._rope_scaling import RopeScaling
 
 
 @dataclass(frozen=True)
@@ -22,6 +23,9 @@ class RopeSpec:
     interleaved: bool = False
     """``False``: rotate-half pairs ``(i, i + r/2)`` (Llama/Qwen in HF transformers).
     ``True``: adjacent pairs ``(2i, 2i + 1)`` (GPT-J)."""
+    scaling: RopeScaling | None = None
+    """Long-context scaling of the frequencies (transformers' ``rope_type``); ``None`` is plain
+    RoPE, like ``RopeScaling()``."""
 
     def __post_init__(self) -> None:
         if not (isinstance(self.theta, (int, float)) and math.isfinite(self.theta)):
@@ -35,9 +39,36 @@ class RopeSpec:
                 f"RopeSpec.rotary_dim must be a positive even int or None, got {self.rotary_dim!r}"
             )
         _flag("RopeSpec.interleaved", self.interleaved)
+        if self.scaling is not None:
+            if not isinstance(self.scaling, RopeScaling):
+                raise SpecError(
+                    f"RopeSpec.scaling must be a RopeScaling or None, got {self.scaling!r}"
+                )
+            if self.rotary_dim is not None:
+                self.scaling.check_rotary_dim(self.rotary_dim)
+
+    @property
+    def is_plain(self) -> bool:
+        """Plain theta RoPE (no scaling rule): what the native and fused kernels compute."""
+        return self.scaling is None or self.scaling.is_plain
 
     def to_dict(self) -> dict[str, object]:
-        return {"theta": self.theta, "rotary_dim": self.rotary_dim, "interleaved": self.interleaved}
+        out: dict[str, object] = {
+            "theta": self.theta,
+            "rotary_dim": self.rotary_dim,
+            "interleaved": self.interleaved,
+        }
+        if self.scaling is not None:  # absent when unset: plain specs keep their fingerprints
+            out["scaling"] = self.scaling.to_dict()
+        return out
+
+    @classmethod
+    def from_hf_config(cls, config: object) -> RopeSpec:
+        """The RoPE of a transformers model config (``rope_parameters`` or ``rope_scaling``);
+        see `rope_spec_from_hf`."""
+        from ._rope_hf import rope_spec_from_hf_config
+
+        return rope_spec_from_hf_config(config)
 
 
 @dataclass(frozen=True)

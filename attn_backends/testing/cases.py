@@ -17,6 +17,7 @@ from .._capabilities import Capabilities
 from .._dtypes import FP8_DTYPES, dtype_name
 from .._platform import Platform, PlatformKind, parse_platform
 from .._reasons import ReasonCode
+from .._rope_scaling import RopeScaling
 from .._spec import AttentionSpec, HeadwiseConfig, RopeSpec
 
 InputForm = Literal["plain", "strided", "tuple-none", "tuple-empty", "separate", "separate-3d"]
@@ -156,6 +157,51 @@ def conformance_cases(caps: Capabilities) -> list[ConformanceCase]:
                 f"{tag}-past-fused-rope-limit", base, (limit + 1, 2), expect_fused=False
             ),
         ]
+    cases += rope_scaling_cases(base)
+    return cases
+
+
+def rope_scaling_cases(base: AttentionSpec) -> list[ConformanceCase]:
+    """One case per RoPE scaling rule on ``base``: the chosen pass must apply it (theta-only
+    kernels refuse it, so the torch pass serves it) and match the float64 reference. The
+    length-dependent rules (dynamic, longrope) run once below and once past their threshold of
+    16 tokens, so both sets of frequencies are checked; padding rows and strided input too."""
+    tag = dtype_name(base.dtype)
+    pairs = base.head_dim // 2
+    rules = {
+        "linear": RopeScaling("linear", factor=4.0),
+        "dynamic": RopeScaling("dynamic", factor=2.0, max_position_embeddings=16),
+        "yarn": RopeScaling("yarn", factor=4.0, original_max_position_embeddings=16),
+        "yarn-mscale": RopeScaling(
+            "yarn",
+            factor=8.0,
+            original_max_position_embeddings=16,
+            mscale=0.707,
+            mscale_all_dim=1.0,
+            truncate=False,
+        ),
+        "longrope": RopeScaling(
+            "longrope",
+            factor=4.0,
+            original_max_position_embeddings=16,
+            short_factor=tuple(1.0 + i / pairs for i in range(pairs)),
+            long_factor=tuple(1.0 + 8.0 * i / pairs for i in range(pairs)),
+        ),
+        "llama3": RopeScaling(
+            "llama3",
+            factor=8.0,
+            original_max_position_embeddings=64,
+            low_freq_factor=1.0,
+            high_freq_factor=4.0,
+        ),
+        "proportional": RopeScaling("proportional", factor=2.0, partial_rotary_factor=0.25),
+    }
+    cases: list[ConformanceCase] = []
+    for name, rule in rules.items():
+        spec = replace(base, rope=RopeSpec(1e4, scaling=rule))
+        cases.append(ConformanceCase(f"{tag}-rope-{name}", spec, padding_rows=3, form="strided"))
+        if rule.length_dependent:
+            cases.append(ConformanceCase(f"{tag}-rope-{name}-short", spec, lengths=(5, 1, 12)))
     return cases
 
 

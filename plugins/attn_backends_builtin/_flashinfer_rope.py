@@ -18,6 +18,12 @@ ROPE_HEAD_DIMS = frozenset({64, 128, 256, 512})
 """Head dims flashinfer's RoPE kernels are compiled for (``DISPATCH_HEAD_DIM``)."""
 
 
+FLASHINFER_SCALINGS = frozenset({"default", "linear"})
+"""Scaling rules this pass computes exactly: ``rope_scale`` divides every frequency, which is
+linear scaling. Its llama3 variant (``apply_llama31_rope_pos_ids_inplace``) is not wired: no
+CPU fake checks its argument mapping, so llama3 goes to the torch pass."""
+
+
 def flashinfer_rope_refusal(spec: AttentionSpec, platform: Platform) -> str | None:
     """Why flashinfer's in-place RoPE cannot serve this spec here (None: it can)."""
     if platform.kind != "cuda":
@@ -28,6 +34,12 @@ def flashinfer_rope_refusal(spec: AttentionSpec, platform: Platform) -> str | No
         return "applies RoPE only and the spec has none"
     if spec.use_logn_attn:
         return "has no logn scaling"
+    scaling = spec.rope.scaling
+    if scaling is not None and scaling.rope_type not in FLASHINFER_SCALINGS:
+        return (
+            f"applies plain or linear RoPE scaling only, not {scaling.rope_type!r} (the torch "
+            "pass applies every RoPE scaling type)"
+        )
     if spec.dtype not in (torch.float16, torch.bfloat16):
         return f"serves float16/bfloat16, not {dtype_name(spec.dtype)}"
     if spec.head_dim not in ROPE_HEAD_DIMS:
@@ -62,6 +74,7 @@ def apply_flashinfer_rope(packed: torch.Tensor, spec: AttentionSpec, params: FMH
         params.positions,
         rotary_dim=spec.rotary_dim,
         interleave=spec.rope.interleaved,
+        rope_scale=float(spec.rope.scaling.factor) if spec.rope.scaling is not None else 1.0,
         rope_theta=float(spec.rope.theta),
     )
     return True

@@ -1,0 +1,73 @@
+"""`RopeSpec` from a transformers config: theta, rotated dims and scaling rule in one place.
+
+Reads the config by attribute only, so transformers itself is never imported here.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+from ._errors import SpecError
+from ._rope_scaling import RopeScaling
+from ._spec import RopeSpec
+
+HF_DEFAULT_THETA = 10000.0
+"""transformers' theta for a config that names none."""
+
+
+def rope_spec_from_hf(
+    rope_parameters: Mapping[str, Any] | None,
+    *,
+    head_dim: int,
+    max_position_embeddings: int | None = None,
+    original_max_position_embeddings: int | None = None,
+    rope_theta: float | None = None,
+    partial_rotary_factor: float | None = None,
+) -> RopeSpec:
+    """The RoPE a transformers model applies, from its RoPE dict and head size.
+
+    ``rope_theta`` and ``partial_rotary_factor`` are the config's top-level values (older
+    configs keep them outside the dict); the dict's own win. A ``partial_rotary_factor`` below
+    1 rotates the leading ``int(head_dim * factor)`` dims, except for ``proportional``, whose
+    rule keeps the whole head and zeroes the frequencies of the trailing pairs.
+    """
+    params = dict(rope_parameters or {})
+    scaling = RopeScaling.from_hf(
+        params,
+        max_position_embeddings=max_position_embeddings,
+        original_max_position_embeddings=original_max_position_embeddings,
+    )
+    theta = params.get("rope_theta") or rope_theta or HF_DEFAULT_THETA
+    fraction = params.get("partial_rotary_factor") or partial_rotary_factor or 1.0
+    rotary_dim: int | None = None
+    if scaling.rope_type != "proportional" and fraction != 1.0:
+        rotary_dim = int(head_dim * fraction)
+    return RopeSpec(
+        theta=float(theta),
+        rotary_dim=rotary_dim,
+        scaling=None if scaling.is_plain else scaling,
+    )
+
+
+def rope_spec_from_hf_config(config: object) -> RopeSpec:
+    """`rope_spec_from_hf` with every value read from a transformers ``PretrainedConfig``."""
+    params = getattr(config, "rope_parameters", None) or getattr(config, "rope_scaling", None)
+    head_dim = getattr(config, "head_dim", None)
+    if not head_dim:
+        hidden = getattr(config, "hidden_size", None)
+        heads = getattr(config, "num_attention_heads", None)
+        if not (isinstance(hidden, int) and isinstance(heads, int) and heads > 0):
+            raise SpecError(
+                "the config has neither head_dim nor hidden_size and num_attention_heads; pass "
+                "head_dim to rope_spec_from_hf"
+            )
+        head_dim = hidden // heads
+    return rope_spec_from_hf(
+        params,
+        head_dim=head_dim,
+        max_position_embeddings=getattr(config, "max_position_embeddings", None),
+        original_max_position_embeddings=getattr(config, "original_max_position_embeddings", None),
+        rope_theta=getattr(config, "rope_theta", None),
+        partial_rotary_factor=getattr(config, "partial_rotary_factor", None),
+    )
