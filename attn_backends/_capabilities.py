@@ -110,6 +110,13 @@ class Capabilities:
     dequantised values). Without it such a spec is refused: rotating stored FP8 values in place
     and writing them back as FP8 loses the scales' range (NaN in e4m3fnuz, saturation in
     e4m3fn)."""
+    sliding_window: bool = False
+    """Implements `SlidingWindow` masks (``spec.window``); see a backend's own reasons for the
+    windows it still refuses (e.g. left-only)."""
+    logit_softcap: bool = False
+    """Implements ``spec.logit_softcap`` (``cap * tanh(scores / cap)``)."""
+    alibi: bool = False
+    """Implements ``spec.alibi`` biases."""
     requires: tuple[str, ...] = ()
     """Optional libraries (import names) the kernel needs."""
     priority: tuple[PriorityRule, ...] = field(default=())
@@ -156,6 +163,9 @@ class Capabilities:
             "cuda_graph": self.cuda_graph,
             "fp8_preprocess": self.fp8_preprocess,
             "fp8": self.fp8,
+            "sliding_window": self.sliding_window,
+            "logit_softcap": self.logit_softcap,
+            "alibi": self.alibi,
             "requires": list(self.requires),
             "priority": [rule.describe() + f" -> {rule.score}" for rule in self.priority],
         }
@@ -297,6 +307,7 @@ def check_capabilities(caps: Capabilities, spec: AttentionSpec, platform: Platfo
                 "None",
             )
         )
+    reasons += _feature_reasons(caps, spec)
     if spec.headwise is None and caps.headwise:
         reasons.append(
             Reason(
@@ -305,6 +316,42 @@ def check_capabilities(caps: Capabilities, spec: AttentionSpec, platform: Platfo
                 "headwise",
                 "None",
                 "HeadwiseConfig",
+            )
+        )
+    return reasons
+
+
+def _feature_reasons(caps: Capabilities, spec: AttentionSpec) -> list[Reason]:
+    """Window, soft-cap and ALiBi asked for by the spec and not declared by the backend."""
+    reasons: list[Reason] = []
+    if spec.window is not None and not caps.sliding_window:
+        reasons.append(
+            Reason(
+                ReasonCode.SLIDING_WINDOW,
+                "sliding-window masks not implemented; needs a backend declaring sliding_window",
+                "window",
+                spec.window.describe(),
+                "None",
+            )
+        )
+    if spec.logit_softcap is not None and not caps.logit_softcap:
+        reasons.append(
+            Reason(
+                ReasonCode.SOFTCAP,
+                "logit soft-capping not implemented; needs a backend declaring logit_softcap",
+                "logit_softcap",
+                str(spec.logit_softcap),
+                "None",
+            )
+        )
+    if spec.alibi is not None and not caps.alibi:
+        reasons.append(
+            Reason(
+                ReasonCode.ALIBI,
+                "ALiBi biases not implemented; needs a backend declaring alibi",
+                "alibi",
+                "AlibiSpec",
+                "None",
             )
         )
     return reasons
