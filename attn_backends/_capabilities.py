@@ -7,6 +7,7 @@ from dataclasses import dataclass, field
 import torch
 
 from ._dtypes import dtype_name
+from ._features import bloom_alibi_slopes
 from ._platform import Platform, PlatformKind
 from ._reasons import Reason, ReasonCode
 from ._spec import AttentionSpec
@@ -113,10 +114,19 @@ class Capabilities:
     sliding_window: bool = False
     """Implements `SlidingWindow` masks (``spec.window``); see a backend's own reasons for the
     windows it still refuses (e.g. left-only)."""
+    window_right: bool = True
+    """With ``sliding_window``: also windows reaching keys after the query (``right > 0``,
+    bidirectional local attention); ``False``: left-only windows."""
     logit_softcap: bool = False
     """Implements ``spec.logit_softcap`` (``cap * tanh(scores / cap)``)."""
     alibi: bool = False
     """Implements ``spec.alibi`` biases."""
+    alibi_bidirectional: bool = True
+    """With ``alibi``: also the bidirectional bias ``-slope * |i - j|``; ``False``: causal only."""
+    alibi_custom_slopes: bool = True
+    """With ``alibi``: any slopes; ``False``: only BLOOM's (the kernel computes its own)."""
+    alibi_with_softcap: bool = True
+    """With ``alibi`` and ``logit_softcap``: both on one spec."""
     requires: tuple[str, ...] = ()
     """Optional libraries (import names) the kernel needs."""
     priority: tuple[PriorityRule, ...] = field(default=())
@@ -165,7 +175,11 @@ class Capabilities:
             "fp8": self.fp8,
             "sliding_window": self.sliding_window,
             "logit_softcap": self.logit_softcap,
+            "window_right": self.window_right,
             "alibi": self.alibi,
+            "alibi_bidirectional": self.alibi_bidirectional,
+            "alibi_custom_slopes": self.alibi_custom_slopes,
+            "alibi_with_softcap": self.alibi_with_softcap,
             "requires": list(self.requires),
             "priority": [rule.describe() + f" -> {rule.score}" for rule in self.priority],
         }
@@ -344,14 +358,67 @@ def _feature_reasons(caps: Capabilities, spec: AttentionSpec) -> list[Reason]:
                 "None",
             )
         )
-    if spec.alibi is not None and not caps.alibi:
+    elif spec.window is not None and spec.window.right and not caps.window_right:
         reasons.append(
+            Reason(
+                ReasonCode.SLIDING_WINDOW,
+                "only left-only windows (keys up to the query) are implemented",
+                "window",
+                spec.window.describe(),
+                "right=0",
+            )
+        )
+    if spec.alibi is not None:
+        reasons += _alibi_reasons(caps, spec)
+    return reasons
+
+
+def _alibi_reasons(caps: Capabilities, spec: AttentionSpec) -> list[Reason]:
+    assert spec.alibi is not None
+    if not caps.alibi:
+        return [
             Reason(
                 ReasonCode.ALIBI,
                 "ALiBi biases not implemented; needs a backend declaring alibi",
                 "alibi",
                 "AlibiSpec",
                 "None",
+            )
+        ]
+    reasons: list[Reason] = []
+    if not spec.causal and not caps.alibi_bidirectional:
+        reasons.append(
+            Reason(
+                ReasonCode.ALIBI,
+                "only the causal ALiBi bias slope * (j - i) is implemented",
+                "causal",
+                "False with alibi",
+                "True",
+            )
+        )
+    slopes = spec.alibi.slopes
+    if (
+        slopes is not None
+        and not caps.alibi_custom_slopes
+        and slopes != bloom_alibi_slopes(spec.num_heads)
+    ):
+        reasons.append(
+            Reason(
+                ReasonCode.ALIBI,
+                "the kernel computes BLOOM's ALiBi slopes itself; other slopes are not served",
+                "alibi.slopes",
+                "custom slopes",
+                "AlibiSpec() (BLOOM's slopes)",
+            )
+        )
+    if spec.logit_softcap is not None and not caps.alibi_with_softcap:
+        reasons.append(
+            Reason(
+                ReasonCode.ALIBI,
+                "ALiBi and logit soft-capping together are not served",
+                "alibi",
+                "AlibiSpec with logit_softcap",
+                "one of them",
             )
         )
     return reasons

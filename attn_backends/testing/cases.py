@@ -267,7 +267,7 @@ def feature_cases(
         if caps.sliding_window:
             windows = (
                 [("w8", SlidingWindow.causal(8)), ("w1", SlidingWindow.causal(1))]
-                if causal
+                if causal or not caps.window_right
                 else [
                     ("w4-4", SlidingWindow(4, 4)),
                     ("w0-3", SlidingWindow(0, 3)),
@@ -286,26 +286,36 @@ def feature_cases(
         if caps.logit_softcap:
             add(f"{mask}-softcap", replace(spec, logit_softcap=2.0))
             add(f"{mask}-softcap-mha", replace(mha, causal=causal, logit_softcap=30.0))
-        if caps.alibi:
+        alibi = caps.alibi and (causal or caps.alibi_bidirectional)
+        if alibi:
             add(f"{mask}-alibi", replace(spec, rope=None, alibi=AlibiSpec()))
+            add(f"{mask}-alibi-gqa-rope", replace(spec, alibi=AlibiSpec()), padding_rows=2)
+        if alibi and caps.alibi_custom_slopes:
             slopes = tuple(0.5 / (h + 1) for h in range(base.num_heads))
             add(
                 f"{mask}-alibi-slopes-mha-strided",
                 replace(mha, causal=causal, rope=None, alibi=AlibiSpec(slopes)),
                 form="strided",
             )
-        if caps.sliding_window and caps.logit_softcap and caps.alibi:
-            window = SlidingWindow(5, 0 if causal else 2)
+        right = 2 if not causal and caps.window_right else 0
+        if caps.sliding_window and caps.logit_softcap and alibi and caps.alibi_with_softcap:
+            window = SlidingWindow(5, right)
             add(
                 f"{mask}-window-softcap-alibi",
                 replace(spec, window=window, logit_softcap=5.0, alibi=AlibiSpec()),
                 lengths=FEATURE_LENGTHS,
             )
-        elif caps.sliding_window and caps.alibi:
-            window = SlidingWindow(5, 0 if causal else 2)
+        elif caps.sliding_window and alibi:
+            window = SlidingWindow(5, right)
             add(
                 f"{mask}-window-alibi",
                 replace(spec, rope=None, window=window, alibi=AlibiSpec()),
+                lengths=FEATURE_LENGTHS,
+            )
+        if caps.sliding_window and caps.logit_softcap:
+            add(
+                f"{mask}-window-softcap",
+                replace(spec, window=SlidingWindow(3, right), logit_softcap=3.0),
                 lengths=FEATURE_LENGTHS,
             )
         every = _declared_features(caps, causal)
@@ -327,10 +337,11 @@ def _declared_features(caps: Capabilities, causal: bool) -> dict[str, object]:
     """Spec fields turning on every feature the backend declares (for the 16-bit cases)."""
     fields: dict[str, object] = {}
     if caps.sliding_window:
-        fields["window"] = SlidingWindow(6, 0 if causal else 3)
+        fields["window"] = SlidingWindow(6, 3 if not causal and caps.window_right else 0)
     if caps.logit_softcap:
         fields["logit_softcap"] = 4.0
-    if caps.alibi:
+    alibi = caps.alibi and (causal or caps.alibi_bidirectional)
+    if alibi and (caps.alibi_with_softcap or not caps.logit_softcap):
         fields["alibi"] = AlibiSpec()
     return fields
 
@@ -341,9 +352,24 @@ def feature_refusals(caps: Capabilities, base: AttentionSpec) -> list[RefusalCas
     if not caps.sliding_window:
         window = replace(base, window=SlidingWindow.causal(8))
         cases.append(RefusalCase("sliding-window", window, None, ReasonCode.SLIDING_WINDOW))
+    if caps.sliding_window and not caps.window_right:
+        both = replace(base, causal=False, headwise=None, window=SlidingWindow(4, 4))
+        cases.append(RefusalCase("window-right", both, None, ReasonCode.SLIDING_WINDOW))
     if not caps.logit_softcap:
         capped = replace(base, logit_softcap=30.0)
         cases.append(RefusalCase("logit-softcap", capped, None, ReasonCode.SOFTCAP))
     if not caps.alibi:
         cases.append(RefusalCase("alibi", replace(base, alibi=AlibiSpec()), None, ReasonCode.ALIBI))
+        return cases
+    if not caps.alibi_bidirectional:
+        bidir = replace(base, causal=False, headwise=None, alibi=AlibiSpec())
+        cases.append(RefusalCase("alibi-bidirectional", bidir, None, ReasonCode.ALIBI))
+    if not caps.alibi_custom_slopes:
+        custom = AlibiSpec(tuple(0.5 / (h + 1) for h in range(base.num_heads)))
+        cases.append(
+            RefusalCase("alibi-custom-slopes", replace(base, alibi=custom), None, ReasonCode.ALIBI)
+        )
+    if caps.logit_softcap and not caps.alibi_with_softcap:
+        both = replace(base, alibi=AlibiSpec(), logit_softcap=30.0)
+        cases.append(RefusalCase("alibi-with-softcap", both, None, ReasonCode.ALIBI))
     return cases

@@ -146,7 +146,7 @@ def load(module: JitModule) -> None:
 
 def _prefill_key(module: JitModule) -> tuple[object, ...]:
     """flashinfer's batch-prefill module key: backend, q/kv/o dtypes, index dtype, head dims,
-    position encoding, then sliding window, logits soft cap and fp16 QK reduction (all off)."""
+    position encoding, sliding window, logits soft cap, then fp16 QK reduction (off)."""
     dtype = DTYPES[module.dtype]
     dim = module.head_dim
     return (
@@ -157,9 +157,9 @@ def _prefill_key(module: JitModule) -> tuple[object, ...]:
         torch.int32,
         dim,
         dim,
-        int(module.rope),
-        False,
-        False,
+        module.pos_encoding,
+        module.sliding_window,
+        module.logit_softcap,
         False,
     )
 
