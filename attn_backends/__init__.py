@@ -37,6 +37,7 @@ from ._errors import (
     SpecError,
     UnboundBackendError,
 )
+from ._features import AlibiSpec, SlidingWindow, bloom_alibi_slopes
 from ._flags import derive_need_rope_kv_cache
 from ._graph import PAD_CHUNK, GraphBucket, GraphPlan
 from ._hooks import ENTRY_POINT_GROUP, PLUGIN_API_VERSION, PluginManifest, hookimpl, hookspec
@@ -62,6 +63,7 @@ __all__ = [
     "PLUGIN_API_VERSION",
     "ROPE_TYPES",
     "TOLERANCE",
+    "AlibiSpec",
     "AnyPlan",
     "AttentionBackendError",
     "AttentionSpec",
@@ -106,10 +108,12 @@ __all__ = [
     "RopeScaling",
     "RopeSpec",
     "Selection",
+    "SlidingWindow",
     "SpecError",
     "UnboundBackendError",
     "WarmupReport",
     "WarmupStep",
+    "bloom_alibi_slopes",
     "check_capabilities",
     "check_consistent_across_ranks",
     "check_platform",

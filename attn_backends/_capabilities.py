@@ -7,6 +7,7 @@ from dataclasses import dataclass, field
 import torch
 
 from ._dtypes import dtype_name
+from ._features import bloom_alibi_slopes
 from ._platform import Platform, PlatformKind
 from ._reasons import Reason, ReasonCode
 from ._spec import AttentionSpec
@@ -115,6 +116,22 @@ class Capabilities:
     dequantised values). Without it such a spec is refused: rotating stored FP8 values in place
     and writing them back as FP8 loses the scales' range (NaN in e4m3fnuz, saturation in
     e4m3fn)."""
+    sliding_window: bool = False
+    """Implements `SlidingWindow` masks (``spec.window``); see a backend's own reasons for the
+    windows it still refuses (e.g. left-only)."""
+    window_right: bool = True
+    """With ``sliding_window``: also windows reaching keys after the query (``right > 0``,
+    bidirectional local attention); ``False``: left-only windows."""
+    logit_softcap: bool = False
+    """Implements ``spec.logit_softcap`` (``cap * tanh(scores / cap)``)."""
+    alibi: bool = False
+    """Implements ``spec.alibi`` biases."""
+    alibi_bidirectional: bool = True
+    """With ``alibi``: also the bidirectional bias ``-slope * |i - j|``; ``False``: causal only."""
+    alibi_custom_slopes: bool = True
+    """With ``alibi``: any slopes; ``False``: only BLOOM's (the kernel computes its own)."""
+    alibi_with_softcap: bool = True
+    """With ``alibi`` and ``logit_softcap``: both on one spec."""
     requires: tuple[str, ...] = ()
     """Optional libraries (import names) the kernel needs."""
     priority: tuple[PriorityRule, ...] = field(default=())
@@ -161,6 +178,13 @@ class Capabilities:
             "cuda_graph": self.cuda_graph,
             "fp8_preprocess": self.fp8_preprocess,
             "fp8": self.fp8,
+            "sliding_window": self.sliding_window,
+            "logit_softcap": self.logit_softcap,
+            "window_right": self.window_right,
+            "alibi": self.alibi,
+            "alibi_bidirectional": self.alibi_bidirectional,
+            "alibi_custom_slopes": self.alibi_custom_slopes,
+            "alibi_with_softcap": self.alibi_with_softcap,
             "requires": list(self.requires),
             "priority": [rule.describe() + f" -> {rule.score}" for rule in self.priority],
         }
@@ -302,6 +326,7 @@ def check_capabilities(caps: Capabilities, spec: AttentionSpec, platform: Platfo
                 "None",
             )
         )
+    reasons += _feature_reasons(caps, spec)
     if spec.headwise is None and caps.headwise:
         reasons.append(
             Reason(
@@ -310,6 +335,95 @@ def check_capabilities(caps: Capabilities, spec: AttentionSpec, platform: Platfo
                 "headwise",
                 "None",
                 "HeadwiseConfig",
+            )
+        )
+    return reasons
+
+
+def _feature_reasons(caps: Capabilities, spec: AttentionSpec) -> list[Reason]:
+    """Window, soft-cap and ALiBi asked for by the spec and not declared by the backend."""
+    reasons: list[Reason] = []
+    if spec.window is not None and not caps.sliding_window:
+        reasons.append(
+            Reason(
+                ReasonCode.SLIDING_WINDOW,
+                "sliding-window masks not implemented; needs a backend declaring sliding_window",
+                "window",
+                spec.window.describe(),
+                "None",
+            )
+        )
+    if spec.logit_softcap is not None and not caps.logit_softcap:
+        reasons.append(
+            Reason(
+                ReasonCode.SOFTCAP,
+                "logit soft-capping not implemented; needs a backend declaring logit_softcap",
+                "logit_softcap",
+                str(spec.logit_softcap),
+                "None",
+            )
+        )
+    elif spec.window is not None and spec.window.right and not caps.window_right:
+        reasons.append(
+            Reason(
+                ReasonCode.SLIDING_WINDOW,
+                "only left-only windows (keys up to the query) are implemented",
+                "window",
+                spec.window.describe(),
+                "right=0",
+            )
+        )
+    if spec.alibi is not None:
+        reasons += _alibi_reasons(caps, spec)
+    return reasons
+
+
+def _alibi_reasons(caps: Capabilities, spec: AttentionSpec) -> list[Reason]:
+    assert spec.alibi is not None
+    if not caps.alibi:
+        return [
+            Reason(
+                ReasonCode.ALIBI,
+                "ALiBi biases not implemented; needs a backend declaring alibi",
+                "alibi",
+                "AlibiSpec",
+                "None",
+            )
+        ]
+    reasons: list[Reason] = []
+    if not spec.causal and not caps.alibi_bidirectional:
+        reasons.append(
+            Reason(
+                ReasonCode.ALIBI,
+                "only the causal ALiBi bias slope * (j - i) is implemented",
+                "causal",
+                "False with alibi",
+                "True",
+            )
+        )
+    slopes = spec.alibi.slopes
+    if (
+        slopes is not None
+        and not caps.alibi_custom_slopes
+        and slopes != bloom_alibi_slopes(spec.num_heads)
+    ):
+        reasons.append(
+            Reason(
+                ReasonCode.ALIBI,
+                "the kernel computes BLOOM's ALiBi slopes itself; other slopes are not served",
+                "alibi.slopes",
+                "custom slopes",
+                "AlibiSpec() (BLOOM's slopes)",
+            )
+        )
+    if spec.logit_softcap is not None and not caps.alibi_with_softcap:
+        reasons.append(
+            Reason(
+                ReasonCode.ALIBI,
+                "ALiBi and logit soft-capping together are not served",
+                "alibi",
+                "AlibiSpec with logit_softcap",
+                "one of them",
             )
         )
     return reasons

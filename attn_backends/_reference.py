@@ -114,6 +114,8 @@ def _mask(spec: AttentionSpec, length: int, heads: range, device: torch.device) 
     i = torch.arange(length, device=device)[:, None]
     j = torch.arange(length, device=device)[None, :]
     full = (j <= i) if spec.causal else torch.ones(length, length, dtype=torch.bool, device=device)
+    if spec.window is not None:
+        full = full & (j >= i - spec.window.left) & (j <= i + spec.window.right)
     masks = full.expand(len(heads), length, length).clone()
     hw = spec.headwise
     if hw is not None and not hw.is_full_for(length):
@@ -122,6 +124,32 @@ def _mask(spec: AttentionSpec, length: int, heads: range, device: torch.device) 
             if h not in hw.retrieval_heads:
                 masks[n] = window
     return masks
+
+
+def _alibi_bias(
+    spec: AttentionSpec, length: int, heads: range, device: torch.device
+) -> torch.Tensor:
+    """``[heads, L, L]`` ALiBi bias: ``slope * (j - i)`` causal, ``-slope * |i - j|`` not."""
+    assert spec.alibi is not None
+    slopes = spec.alibi.slopes_for(spec.num_heads)
+    slope = torch.tensor([slopes[h] for h in heads], dtype=torch.float64, device=device)
+    i = torch.arange(length, device=device, dtype=torch.float64)[:, None]
+    j = torch.arange(length, device=device, dtype=torch.float64)[None, :]
+    distance = (j - i) if spec.causal else -(j - i).abs()
+    return slope[:, None, None] * distance
+
+
+def _scores(
+    spec: AttentionSpec, q: torch.Tensor, k: torch.Tensor, heads: range, device: torch.device
+) -> torch.Tensor:
+    """Masked ``[heads, L, L]`` scores: scale, soft-cap, ALiBi bias, then the mask."""
+    length = q.shape[1]
+    scores = (q @ k.transpose(1, 2)) * spec.scale
+    if spec.logit_softcap is not None:
+        scores = spec.logit_softcap * torch.tanh(scores / spec.logit_softcap)
+    if spec.alibi is not None:
+        scores = scores + _alibi_bias(spec, length, heads, device)
+    return scores.masked_fill(~_mask(spec, length, heads, device), float("-inf"))
 
 
 def reference_attention(
@@ -173,8 +201,7 @@ def reference_attention(
             qs = q[start:end, h0 : heads.stop].transpose(0, 1)
             ks = k[start:end, h0 : heads.stop].transpose(0, 1)
             vs = v[start:end, h0 : heads.stop].transpose(0, 1)
-            scores = (qs @ ks.transpose(1, 2)) * spec.scale
-            scores = scores.masked_fill(~_mask(spec, length, heads, device), float("-inf"))
+            scores = _scores(spec, qs, ks, heads, device)
             out[start:end, h0 : heads.stop] = (torch.softmax(scores, dim=-1) @ vs).transpose(0, 1)
         start = end
     return out.reshape(tokens, hq * d)

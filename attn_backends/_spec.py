@@ -9,6 +9,7 @@ import torch
 
 from ._dtypes import MODEL_DTYPES, dtype_name, is_fp8
 from ._errors import SpecError
+from ._features import AlibiSpec, SlidingWindow
 from ._rope_scaling import RopeScaling
 
 
@@ -154,6 +155,14 @@ class AttentionSpec:
     """``None`` means ``1 / sqrt(head_dim)``."""
     use_mla: bool = False
     headwise: HeadwiseConfig | None = field(default=None)
+    window: SlidingWindow | None = None
+    """Local attention: the query at ``i`` sees keys ``i - left .. i + right`` only (within
+    its sequence, and on top of the causal rule). ``None``: the whole sequence."""
+    logit_softcap: float | None = None
+    """Gemma 2 soft-capping: scaled scores become ``cap * tanh(scores / cap)`` before the
+    bias, mask and softmax. ``None``: no capping."""
+    alibi: AlibiSpec | None = None
+    """ALiBi bias added to the (scaled, capped) scores; ``None``: no bias."""
 
     def __post_init__(self) -> None:
         _positive_int("num_heads", self.num_heads)
@@ -209,6 +218,45 @@ class AttentionSpec:
                 raise SpecError(
                     f"headwise retrieval heads {bad} are out of range for {self.num_heads} heads"
                 )
+        self._check_features()
+
+    def _check_features(self) -> None:
+        """Window, soft-cap and ALiBi against the rest of the layer."""
+        if self.window is not None:
+            if not isinstance(self.window, SlidingWindow):
+                raise SpecError(
+                    "AttentionSpec.window must be a SlidingWindow or None, e.g. "
+                    f"SlidingWindow.causal(4096); got {self.window!r}"
+                )
+            if self.causal and self.window.right:
+                raise SpecError(
+                    f"AttentionSpec.window has right={self.window.right} on a causal spec, "
+                    "whose queries see no later key: set right=0 (SlidingWindow.causal(W)), or "
+                    "causal=False for a bidirectional window"
+                )
+        cap = self.logit_softcap
+        if cap is not None and not (
+            isinstance(cap, (int, float))
+            and not isinstance(cap, bool)
+            and math.isfinite(cap)
+            and cap > 0
+        ):
+            raise SpecError(
+                "AttentionSpec.logit_softcap must be a positive finite float (Gemma 2: 50.0) "
+                f"or None, got {cap!r}"
+            )
+        if self.alibi is not None:
+            if not isinstance(self.alibi, AlibiSpec):
+                raise SpecError(
+                    "AttentionSpec.alibi must be an AlibiSpec or None, e.g. AlibiSpec() for "
+                    f"BLOOM's slopes; got {self.alibi!r}"
+                )
+            slopes = self.alibi.slopes
+            if slopes is not None and len(slopes) != self.num_heads:
+                raise SpecError(
+                    f"AttentionSpec.alibi has {len(slopes)} slopes for {self.num_heads} query "
+                    "heads: give one slope per query head, or AlibiSpec() for BLOOM's slopes"
+                )
 
     @property
     def group_size(self) -> int:
@@ -256,13 +304,15 @@ class AttentionSpec:
     @property
     def rope_fusable(self) -> bool:
         """The spec's pre-processing is RoPE alone that a fused-RoPE kernel computes:
-        rotate-half over the whole head, no logn, input not FP8."""
+        rotate-half over the whole head, no logn, input not FP8, and no ALiBi (a fused-RoPE
+        kernel takes one position encoding)."""
         return (
             self.rope is not None
             and not self.rope.interleaved
             and self.rotary_dim == self.head_dim
             and not self.use_logn_attn
             and not self.is_fp8
+            and self.alibi is None
         )
 
     def to_dict(self) -> dict[str, object]:
@@ -282,4 +332,7 @@ class AttentionSpec:
             "softmax_scale": self.scale,
             "use_mla": self.use_mla,
             "headwise": self.headwise.to_dict() if self.headwise is not None else None,
+            "window": self.window.to_dict() if self.window is not None else None,
+            "logit_softcap": self.logit_softcap,
+            "alibi": self.alibi.to_dict() if self.alibi is not None else None,
         }

@@ -15,6 +15,7 @@ import torch
 
 from .._capabilities import Capabilities
 from .._dtypes import FP8_DTYPES, dtype_name
+from .._features import AlibiSpec, SlidingWindow
 from .._platform import Platform, PlatformKind, parse_platform
 from .._reasons import ReasonCode
 from .._rope_scaling import RopeScaling
@@ -148,6 +149,7 @@ def conformance_cases(caps: Capabilities) -> list[ConformanceCase]:
             )
     if caps.headwise:
         cases.append(ConformanceCase(f"{tag}-headwise-mixed-lengths", base, lengths=(5, 17, 7, 33)))
+    cases += feature_cases(caps, base, masks)
     limit = caps.fused_rope_max_seqlen
     if caps.fused_rope and limit is not None and base.rope_fusable:
         # Both sides of the per-batch fusion limit, the limit itself included.
@@ -273,6 +275,7 @@ def refusal_cases(caps: Capabilities, platform: Platform) -> list[RefusalCase]:
         )
     elif base.causal:
         cases.append(RefusalCase("headwise", replace(base, headwise=hw), None, ReasonCode.HEADWISE))
+    cases += feature_refusals(caps, base)
     samples: dict[PlatformKind, str] = {"cpu": "cpu", "cuda": "cuda:sm90", "rocm": "rocm:gfx942"}
     for kind, text in samples.items():
         if kind not in caps.platforms:
@@ -284,4 +287,135 @@ def refusal_cases(caps: Capabilities, platform: Platform) -> list[RefusalCase]:
             platform, libraries=tuple((lib, None) for lib in caps.requires), assumed=False
         )
         cases.append(RefusalCase("library-missing", base, bare, ReasonCode.LIBRARY_MISSING))
+    return cases
+
+
+FEATURE_LENGTHS = (5, 17, 1, 32, 8)
+"""Varlen batch for windows: windows of 8 are smaller than 17 and 32, equal to 8, larger than
+5 and 1."""
+
+
+def feature_cases(
+    caps: Capabilities, base: AttentionSpec, masks: list[bool]
+) -> list[ConformanceCase]:
+    """Sliding windows, soft-capping and ALiBi, each alone, with GQA and together, on the
+    masks the backend declares. ``base`` is the varlen RoPE case of the first dtype."""
+    tag = dtype_name(base.dtype)
+    cases: list[ConformanceCase] = []
+
+    def add(name: str, spec: AttentionSpec, **kw: object) -> None:
+        cases.append(ConformanceCase(f"{tag}-{name}", spec, **kw))  # type: ignore[arg-type]
+
+    mha = replace(base, num_kv_heads=base.num_heads)
+    for causal in masks:
+        mask = "causal" if causal else "bidir"
+        spec = replace(base, causal=causal)
+        if caps.sliding_window:
+            windows = (
+                [("w8", SlidingWindow.causal(8)), ("w1", SlidingWindow.causal(1))]
+                if causal or not caps.window_right
+                else [
+                    ("w4-4", SlidingWindow(4, 4)),
+                    ("w0-3", SlidingWindow(0, 3)),
+                    ("w6-0", SlidingWindow(6, 0)),
+                    ("w64-64", SlidingWindow(64, 64)),
+                ]
+            )
+            for name, window in windows:
+                add(f"{mask}-window-{name}", replace(spec, window=window), lengths=FEATURE_LENGTHS)
+            add(
+                f"{mask}-window-mha-padding",
+                replace(mha, causal=causal, window=windows[0][1]),
+                lengths=FEATURE_LENGTHS,
+                padding_rows=3,
+            )
+        if caps.logit_softcap:
+            add(f"{mask}-softcap", replace(spec, logit_softcap=2.0))
+            add(f"{mask}-softcap-mha", replace(mha, causal=causal, logit_softcap=30.0))
+        alibi = caps.alibi and (causal or caps.alibi_bidirectional)
+        if alibi:
+            add(f"{mask}-alibi", replace(spec, rope=None, alibi=AlibiSpec()))
+            add(f"{mask}-alibi-gqa-rope", replace(spec, alibi=AlibiSpec()), padding_rows=2)
+        if alibi and caps.alibi_custom_slopes:
+            slopes = tuple(0.5 / (h + 1) for h in range(base.num_heads))
+            add(
+                f"{mask}-alibi-slopes-mha-strided",
+                replace(mha, causal=causal, rope=None, alibi=AlibiSpec(slopes)),
+                form="strided",
+            )
+        right = 2 if not causal and caps.window_right else 0
+        if caps.sliding_window and caps.logit_softcap and alibi and caps.alibi_with_softcap:
+            window = SlidingWindow(5, right)
+            add(
+                f"{mask}-window-softcap-alibi",
+                replace(spec, window=window, logit_softcap=5.0, alibi=AlibiSpec()),
+                lengths=FEATURE_LENGTHS,
+            )
+        elif caps.sliding_window and alibi:
+            window = SlidingWindow(5, right)
+            add(
+                f"{mask}-window-alibi",
+                replace(spec, rope=None, window=window, alibi=AlibiSpec()),
+                lengths=FEATURE_LENGTHS,
+            )
+        if caps.sliding_window and caps.logit_softcap:
+            add(
+                f"{mask}-window-softcap",
+                replace(spec, window=SlidingWindow(3, right), logit_softcap=3.0),
+                lengths=FEATURE_LENGTHS,
+            )
+        every = _declared_features(caps, causal)
+        for dtype in _float_dtypes(caps)[1:]:
+            if every:
+                cases.append(
+                    ConformanceCase(
+                        f"{dtype_name(dtype)}-{mask}-features-strided",
+                        replace(spec, dtype=dtype, **every),  # type: ignore[arg-type]
+                        lengths=FEATURE_LENGTHS,
+                        padding_rows=2,
+                        form="strided",
+                    )
+                )
+    return cases
+
+
+def _declared_features(caps: Capabilities, causal: bool) -> dict[str, object]:
+    """Spec fields turning on every feature the backend declares (for the 16-bit cases)."""
+    fields: dict[str, object] = {}
+    if caps.sliding_window:
+        fields["window"] = SlidingWindow(6, 3 if not causal and caps.window_right else 0)
+    if caps.logit_softcap:
+        fields["logit_softcap"] = 4.0
+    alibi = caps.alibi and (causal or caps.alibi_bidirectional)
+    if alibi and (caps.alibi_with_softcap or not caps.logit_softcap):
+        fields["alibi"] = AlibiSpec()
+    return fields
+
+
+def feature_refusals(caps: Capabilities, base: AttentionSpec) -> list[RefusalCase]:
+    """A window, a soft-cap and ALiBi on a backend that does not declare them."""
+    cases: list[RefusalCase] = []
+    if not caps.sliding_window:
+        window = replace(base, window=SlidingWindow.causal(8))
+        cases.append(RefusalCase("sliding-window", window, None, ReasonCode.SLIDING_WINDOW))
+    if caps.sliding_window and not caps.window_right:
+        both = replace(base, causal=False, headwise=None, window=SlidingWindow(4, 4))
+        cases.append(RefusalCase("window-right", both, None, ReasonCode.SLIDING_WINDOW))
+    if not caps.logit_softcap:
+        capped = replace(base, logit_softcap=30.0)
+        cases.append(RefusalCase("logit-softcap", capped, None, ReasonCode.SOFTCAP))
+    if not caps.alibi:
+        cases.append(RefusalCase("alibi", replace(base, alibi=AlibiSpec()), None, ReasonCode.ALIBI))
+        return cases
+    if not caps.alibi_bidirectional:
+        bidir = replace(base, causal=False, headwise=None, alibi=AlibiSpec())
+        cases.append(RefusalCase("alibi-bidirectional", bidir, None, ReasonCode.ALIBI))
+    if not caps.alibi_custom_slopes:
+        custom = AlibiSpec(tuple(0.5 / (h + 1) for h in range(base.num_heads)))
+        cases.append(
+            RefusalCase("alibi-custom-slopes", replace(base, alibi=custom), None, ReasonCode.ALIBI)
+        )
+    if caps.logit_softcap and not caps.alibi_with_softcap:
+        both = replace(base, alibi=AlibiSpec(), logit_softcap=30.0)
+        cases.append(RefusalCase("alibi-with-softcap", both, None, ReasonCode.ALIBI))
     return cases

@@ -46,6 +46,8 @@ def choose_kernel(spec: AttentionSpec, sm: int | None, fused_rope: bool) -> Kern
     """
     if fused_rope:
         return KernelChoice("fa2", "fused RoPE (ROPE_LLAMA) exists only in fa2; fa3 ignores it")
+    if spec.alibi is not None:
+        return KernelChoice("fa2", "ALiBi exists only in fa2; fa3 ignores it")
     if sm != 90:
         where = "an unknown architecture" if sm is None else f"sm{sm}"
         return KernelChoice("fa2", f"fa3 needs sm90 (Hopper); the device is {where}")
@@ -75,14 +77,30 @@ class JitModule:
     """None where one module holds every head dim (``fmha_v2`` per layout and dtype, ``rope``)."""
     rope: bool = False
     """pos_encoding_mode ROPE_LLAMA (fa2 only)."""
+    alibi: bool = False
+    """pos_encoding_mode ALIBI (fa2 only)."""
+    sliding_window: bool = False
+    """The variant compiled with a sliding window (``window_left >= 0``)."""
+    logit_softcap: bool = False
+    """The variant compiled with logits soft-capping."""
+
+    @property
+    def pos_encoding(self) -> int:
+        """flashinfer's ``PosEncodingMode`` value: 0 NONE, 1 ROPE_LLAMA, 2 ALIBI."""
+        return 2 if self.alibi else int(self.rope)
 
     def __str__(self) -> str:
         if self.kind == "rope":
             return "rope (apply_rope_pos_ids_inplace)"
         if self.kind == "fmha_v2":
             return f"fmha_v2 PACKED_QKV {self.dtype}"
-        posenc = "ROPE_LLAMA" if self.rope else "NONE"
-        return f"{self.kind} {self.dtype} d{self.head_dim} posenc={posenc}"
+        posenc = ("NONE", "ROPE_LLAMA", "ALIBI")[self.pos_encoding]
+        variants = "".join(
+            f" {name}"
+            for name, on in (("swa", self.sliding_window), ("softcap", self.logit_softcap))
+            if on
+        )
+        return f"{self.kind} {self.dtype} d{self.head_dim} posenc={posenc}{variants}"
 
 
 def nonempty_lengths(lengths: tuple[int, ...]) -> tuple[int, ...]:

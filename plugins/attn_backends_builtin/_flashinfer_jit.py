@@ -35,7 +35,7 @@ _DTYPES = {"float16": torch.float16, "bfloat16": torch.bfloat16}
 
 def prefill_key(module: JitModule) -> tuple[object, ...]:
     """flashinfer's batch-prefill module key: backend, q/kv/o dtypes, index dtype, head dims,
-    position encoding, then sliding window, logits soft cap and fp16 QK reduction (all off)."""
+    position encoding, sliding window, logits soft cap, then fp16 QK reduction (off)."""
     dtype = _DTYPES[module.dtype]
     dim = module.head_dim
     return (
@@ -46,9 +46,9 @@ def prefill_key(module: JitModule) -> tuple[object, ...]:
         torch.int32,
         dim,
         dim,
-        int(module.rope),
-        False,
-        False,
+        module.pos_encoding,
+        module.sliding_window,
+        module.logit_softcap,
         False,
     )
 

@@ -28,6 +28,14 @@ Graph mode (`prepare_graph`): one wrapper per bucket, built with ``use_cuda_grap
 fixed index buffers; ``update`` re-plans it in place, so a captured ``run`` replays any batch of
 the bucket. fused RoPE is decided once per bucket, from its longest sequence.
 
+Windows, soft-capping and ALiBi are ``plan`` arguments: ``window_left`` (keys
+``i - window_left .. i``: left-only windows, planned causal whatever the spec's mask, since
+they see no later key; windows reaching later keys are refused),
+``logits_soft_cap`` (fa2 and fa3) and ``pos_encoding_mode="ALIBI"`` (fa2 only: fa3 ignores
+it, so ALiBi always plans fa2). flashinfer computes BLOOM's slopes itself and adds
+``slope * (j - i)``, the causal bias: custom slopes and bidirectional ALiBi are refused, and so
+is ALiBi with soft-capping (flashinfer then applies the softmax scale twice).
+
 Alignment: flashinfer assumes 16-byte aligned rows (128-bit and TMA loads). Buffers torch
 allocates always are; a misaligned buffer (an odd storage offset or row stride) is copied once
 into an aligned one rather than read wrongly.
@@ -184,8 +192,24 @@ class GraphRagged:
         """Marks the metadata copy of the last plan; the next plan waits for it."""
 
 
-def _pos_encoding(fused_rope: bool) -> str:
+def _pos_encoding(spec: AttentionSpec, fused_rope: bool) -> str:
+    if spec.alibi is not None:
+        return "ALIBI"
     return "ROPE_LLAMA" if fused_rope else "NONE"
+
+
+def jit_module(spec: AttentionSpec, choice: KernelChoice, fused_rope: bool) -> JitModule:
+    """The JIT module a plan for ``spec`` loads: its key holds the position encoding and
+    whether the sliding window and soft-cap variants are compiled in."""
+    return JitModule(
+        choice.backend,
+        dtype_name(spec.dtype),
+        spec.head_dim,
+        fused_rope,
+        alibi=spec.alibi is not None,
+        sliding_window=spec.window is not None,
+        logit_softcap=spec.logit_softcap is not None,
+    )
 
 
 class FlashinferBackend(PrefillBackend):
@@ -196,6 +220,13 @@ class FlashinferBackend(PrefillBackend):
         head_dims=PREFILL_HEAD_DIMS,
         min_sm=80,
         cuda_graph=True,
+        sliding_window=True,
+        window_right=False,
+        logit_softcap=True,
+        alibi=True,
+        alibi_bidirectional=False,
+        alibi_custom_slopes=False,
+        alibi_with_softcap=False,
         requires=("flashinfer",),
         priority=(
             PriorityRule(
@@ -225,7 +256,7 @@ class FlashinferBackend(PrefillBackend):
             "kernel": KERNEL,
             "flashinfer_backend": choices[0].backend,
             "flashinfer_backend_reason": choices[0].reason,
-            "pos_encoding_mode": _pos_encoding(cases[0]),
+            "pos_encoding_mode": _pos_encoding(spec, cases[0]),
             "workspace_bytes": str(WORKSPACE_BYTES),
             "plan_state": "a pooled wrapper per plan; float workspace per device and stream",
         }
@@ -244,9 +275,7 @@ class FlashinferBackend(PrefillBackend):
     def jit_modules(self, spec: AttentionSpec, sm: int) -> tuple[JitModule, ...]:
         """The flashinfer JIT modules this backend loads for ``spec`` on an ``sm`` device."""
         return tuple(
-            JitModule(
-                choose_kernel(spec, sm, fused).backend, dtype_name(spec.dtype), spec.head_dim, fused
-            )
+            jit_module(spec, choose_kernel(spec, sm, fused), fused)
             for fused in self._fusion_cases(spec)
         )
 
@@ -271,7 +300,7 @@ class FlashinferBackend(PrefillBackend):
         """Plan one batch on ``wrapper``. In graph mode split-KV is off: fa2 sizes its split
         buffers for the bucket's worst case (804 MB for 16k rows of 16/8 x 128 on an H200,
         past the 128 MiB workspace), and a plan must fit whatever batch the bucket holds."""
-        mode = _pos_encoding(fused_rope)
+        mode = _pos_encoding(spec, fused_rope)
         rope_theta = spec.rope.theta if fused_rope and spec.rope is not None else None
         wrapper.plan(
             qo_indptr=indptr,
@@ -280,7 +309,8 @@ class FlashinferBackend(PrefillBackend):
             num_kv_heads=spec.num_kv_heads,
             head_dim_qk=spec.head_dim,
             head_dim_vo=spec.head_dim,
-            causal=spec.causal,
+            # A window (left-only: right > 0 is refused) sees no later key, so it plans causal.
+            causal=spec.causal or spec.window is not None,
             pos_encoding_mode=mode,
             sm_scale=spec.scale,
             rope_scale=1.0 if fused_rope else None,
@@ -289,6 +319,8 @@ class FlashinferBackend(PrefillBackend):
             kv_data_type=spec.dtype,
             o_data_type=spec.output_dtype,
             disable_split_kv=graph,
+            window_left=spec.window.left if spec.window is not None else -1,
+            logits_soft_cap=spec.logit_softcap,
         )
         return mode
 
@@ -296,9 +328,7 @@ class FlashinferBackend(PrefillBackend):
         self, spec: AttentionSpec, params: FMHAParams, *, fused_rope: bool
     ) -> RaggedPlan:
         choice = choose_kernel(spec, device_sm(params.device), fused_rope)
-        announce_first_use(
-            JitModule(choice.backend, dtype_name(spec.dtype), spec.head_dim, fused_rope)
-        )
+        announce_first_use(jit_module(spec, choice, fused_rope))
         stream = stream_key(params.device)
         key: PoolKey = (stream[0], stream[1], choice.backend)
         wrapper = POOL.lease(key, WORKSPACES.get(stream))
@@ -318,9 +348,7 @@ class FlashinferBackend(PrefillBackend):
         import flashinfer  # lazily: a GPU library
 
         choice = choose_kernel(spec, device_sm(device), fused_rope)
-        announce_first_use(
-            JitModule(choice.backend, dtype_name(spec.dtype), spec.head_dim, fused_rope)
-        )
+        announce_first_use(jit_module(spec, choice, fused_rope))
         indptr = torch.zeros(bucket.slots + 1, dtype=torch.int32, device=device)
         wrapper = flashinfer.BatchPrefillWithRaggedKVCacheWrapper(
             WORKSPACES.get(stream_key(device)),
@@ -330,7 +358,7 @@ class FlashinferBackend(PrefillBackend):
             kv_indptr_buf=indptr,
             backend=choice.backend,
         )
-        return GraphRagged(wrapper, choice, _pos_encoding(fused_rope), indptr)
+        return GraphRagged(wrapper, choice, _pos_encoding(spec, fused_rope), indptr)
 
     def replan_graph_kernel(
         self, spec: AttentionSpec, kernel: object, slots: tuple[int, ...]
@@ -339,7 +367,7 @@ class FlashinferBackend(PrefillBackend):
             raise BackendFailure(f"{self.name} got a graph plan it did not make: {kernel!r}")
         if kernel.planned is not None:
             kernel.planned.wait()
-        fused = kernel.pos_encoding_mode != "NONE"
+        fused = kernel.pos_encoding_mode == "ROPE_LLAMA"
         self._plan_wrapper(kernel.wrapper, spec, host_indptr(slots), fused, graph=True)
         kernel.planned = CompletionMarker(kernel.indptr.device)
 

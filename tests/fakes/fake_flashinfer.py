@@ -13,7 +13,8 @@ would silently misbehave:
 * loads need unit last-dim stride and 16-byte aligned base and strides (128-bit cp.async in
   fa2, TMA in fa3 and FMHA v2): the fake raises where the kernel would read wrong bytes; the
   output of ``run`` must be dense (fa2 writes it with strides from the shape);
-* fa3 ignores ``pos_encoding_mode="ROPE_LLAMA"`` without an error, as the real one does;
+* fa3 ignores ``pos_encoding_mode="ROPE_LLAMA"`` and ``"ALIBI"`` without an error, as the real
+  one does; windows, soft-cap and ALiBi follow flashinfer's default variant;
 * FMHA v2 ``PACKED_QKV`` derives every stride from the shapes: ``qkv`` must be contiguous;
   ``cum_seq_lens`` are read as int32; any mask string but ``"padding"`` is causal.
 
@@ -291,8 +292,16 @@ def attention(
     causal: bool,
     out: torch.Tensor,
     rope: tuple[float, float] | None = None,
+    window_left: int = -1,
+    soft_cap: float = 0.0,
+    alibi: bool = False,
 ) -> None:
-    """Float32 ragged self-attention written into ``out`` (rows no request covers untouched)."""
+    """Float32 ragged self-attention written into ``out`` (rows no request covers untouched).
+
+    Window, soft-cap and ALiBi as flashinfer's default variant computes them: keys
+    ``>= i - window_left``; ALiBi adds ``slope * (j - i)`` to the scaled scores; the soft-cap
+    then takes ``cap * tanh(x * scale / cap)`` of whatever it gets (scaling ALiBi's sum
+    again)."""
     hq, hk = q.shape[1], k.shape[1]
     for start, end in itertools.pairwise(cu):
         if end == start:
@@ -303,14 +312,31 @@ def attention(
             qs, ks = rope_llama(qs, *rope), rope_llama(ks, *rope)
         ks = ks.repeat_interleave(hq // hk, dim=1)
         vs = v[start:end].to(torch.float32).repeat_interleave(hq // hk, dim=1)
-        scores = torch.einsum("qhd,khd->hqk", qs, ks) * scale
+        scores = torch.einsum("qhd,khd->hqk", qs, ks)
+        n = end - start
+        pos = torch.arange(n)
+        distance = (pos[None, :] - pos[:, None]).to(torch.float32)
+        if alibi:
+            scores = scores * scale + flashinfer_alibi_slopes(hq)[:, None, None] * distance
+        if soft_cap > 0:
+            scores = soft_cap * torch.tanh(scores * (scale / soft_cap))
+        elif not alibi:
+            scores = scores * scale
         if causal:
-            n = end - start
-            upper = torch.ones(n, n, dtype=torch.bool).triu(1)
-            scores = scores.masked_fill(upper, float("-inf"))
+            scores = scores.masked_fill(distance > 0, float("-inf"))
+        if window_left >= 0:
+            scores = scores.masked_fill(distance < -window_left, float("-inf"))
         out[start:end] = torch.einsum("hqk,khd->qhd", torch.softmax(scores, dim=-1), vs).to(
             out.dtype
         )
+
+
+def flashinfer_alibi_slopes(heads: int) -> torch.Tensor:
+    """flashinfer's own ALiBi slopes (utils.get_alibi_slopes), float32."""
+    n = 2 ** math.floor(math.log2(heads))
+    slopes = [2.0 ** (-8.0 * k / n) for k in range(1, n + 1)]
+    slopes += [2.0 ** (-4.0 * k / n) for k in range(1, 2 * (heads - n), 2)]
+    return torch.tensor(slopes, dtype=torch.float32)
 
 
 def _host(t: torch.Tensor, name: str) -> list[int]:
@@ -357,10 +383,8 @@ class _FakeRaggedWrapper:
             raise NotImplementedError("the fake serves self-attention (qo_indptr == kv_indptr)")
         if a["pos_encoding_mode"] not in POS_ENCODINGS:
             raise KeyError(a["pos_encoding_mode"])
-        if a["pos_encoding_mode"] == "ALIBI" or a["custom_mask"] is not None:
-            raise NotImplementedError("the fake serves no ALiBi or custom mask")
-        if a["window_left"] >= 0 or (a["logits_soft_cap"] or 0.0) > 0:
-            raise NotImplementedError("the fake serves no sliding window or soft cap")
+        if a["custom_mask"] is not None:
+            raise NotImplementedError("the fake serves no custom mask")
         if a["num_qo_heads"] % a["num_kv_heads"]:
             raise ValueError("num_qo_heads must be a multiple of num_kv_heads")
         if self._graph_bufs is not None:
@@ -435,7 +459,19 @@ class _FakeRaggedWrapper:
         cu = plan["cu"]
         if "graph_indptr" in plan:
             cu = [int(x) for x in plan["graph_indptr"].tolist()]
-        attention(q, k, v, cu, sm_scale, plan["causal"], out, rope)
+        attention(
+            q,
+            k,
+            v,
+            cu,
+            sm_scale,
+            plan["causal"],
+            out,
+            rope,
+            window_left=plan["window_left"],
+            soft_cap=plan["logits_soft_cap"] or 0.0,
+            alibi=plan["pos_encoding_mode"] == "ALIBI" and self._backend == "fa2",  # fa3: ignored
+        )
         return out
 
 
