@@ -8,6 +8,7 @@ framework; `attn_backends.integrations.transformers` decides which source descri
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
@@ -53,7 +54,9 @@ def from_padding_mask(mask: torch.Tensor) -> BatchLayout:
     valid tokens of a row form one sequence, in their order (what the model's own causal and
     padding masks mean for those tokens)."""
     if mask.dim() != 2:
-        raise IntegrationError(f"a padding mask must be [batch, seq], got shape {tuple(mask.shape)}")
+        raise IntegrationError(
+            f"a padding mask must be [batch, seq], got shape {tuple(mask.shape)}"
+        )
     valid = mask if mask.dtype == torch.bool else mask != 0
     batch, seq = valid.shape
     lengths = valid.sum(dim=1).tolist()
@@ -79,7 +82,7 @@ def from_cu_seqlens(cu_seqlens: torch.Tensor, batch: int, seq: int) -> BatchLayo
             f"cu_seq_lens must start at 0 and end at the packed length {seq}; got {bounds[:4]}"
             f"{'...' if len(bounds) > 4 else ''} ending at {bounds[-1] if bounds else None}"
         )
-    lengths = [b - a for a, b in zip(bounds, bounds[1:], strict=False)]
+    lengths = [b - a for a, b in itertools.pairwise(bounds)]
     if any(n < 0 for n in lengths):
         raise IntegrationError("cu_seq_lens must be non-decreasing prefix sums of the lengths")
     return _layout(lengths, batch, seq, cu_seqlens.device, None)

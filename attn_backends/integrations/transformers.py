@@ -25,9 +25,10 @@ transformers is imported only inside `register`: ``import attn_backends`` never 
 from __future__ import annotations
 
 import functools
+import itertools
 import threading
 from collections.abc import Mapping, Sequence
-from typing import Any
+from typing import Any, TypedDict
 
 import torch
 
@@ -42,6 +43,7 @@ DEFAULT_NAME = "attn_backends"
 
 __all__ = [
     "DEFAULT_NAME",
+    "PackedBatch",
     "attention_forward",
     "pack_sequences",
     "padding_mask",
@@ -63,8 +65,10 @@ def register(name: str = DEFAULT_NAME, *, backend: str | None = None) -> str:
     from transformers import AttentionInterface
     from transformers.masking_utils import AttentionMaskInterface
 
-    attend = attention_forward if backend is None else functools.partial(
-        attention_forward, backend=backend
+    attend = (
+        attention_forward
+        if backend is None
+        else functools.partial(attention_forward, backend=backend)
     )
     AttentionInterface.register(name, attend)
     AttentionMaskInterface.register(name, padding_mask)
@@ -309,7 +313,15 @@ def attention_forward(
     return full, None
 
 
-PackedInput = dict[str, "torch.Tensor | int"]
+class PackedBatch(TypedDict):
+    """Keyword arguments of one packed forward: ``model(**packed)``."""
+
+    input_ids: torch.Tensor
+    position_ids: torch.Tensor
+    cu_seq_lens_q: torch.Tensor
+    cu_seq_lens_k: torch.Tensor
+    max_length_q: int
+    max_length_k: int
 
 
 def pack_sequences(
@@ -317,7 +329,7 @@ def pack_sequences(
     *,
     device: torch.device | str | None = None,
     position_offset: int = 0,
-) -> dict[str, torch.Tensor | int]:
+) -> PackedBatch:
     """One packed model input: every sequence back to back in a single row, no padding.
 
     Returns ``input_ids``/``position_ids`` ``[1, T]`` (positions restart at
@@ -331,22 +343,21 @@ def pack_sequences(
     ids = torch.tensor([t for s in sequences for t in s], dtype=torch.long, device=device)
     positions = torch.cat([torch.arange(n, dtype=torch.long) for n in lengths]) + position_offset
     cu = torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()], dtype=torch.int32)
-    return {
-        "input_ids": ids[None],
-        "position_ids": positions[None].to(device),
-        "cu_seq_lens_q": cu.to(device),
-        "cu_seq_lens_k": cu.to(device),
-        "max_length_q": max(lengths),
-        "max_length_k": max(lengths),
-    }
+    return PackedBatch(
+        input_ids=ids[None],
+        position_ids=positions[None].to(device),
+        cu_seq_lens_q=cu.to(device),
+        cu_seq_lens_k=cu.to(device),
+        max_length_q=max(lengths),
+        max_length_k=max(lengths),
+    )
 
 
 def unpack_hidden(hidden: torch.Tensor, cu_seq_lens: torch.Tensor) -> list[torch.Tensor]:
     """The per-sequence ``[n_i, C]`` slices (views) of a packed output ``hidden [1, T, C]``."""
     if hidden.dim() != 3 or hidden.shape[0] != 1:
         raise IntegrationError(
-            f"unpack_hidden takes a packed [1, tokens, channels] output, got "
-            f"{tuple(hidden.shape)}"
+            f"unpack_hidden takes a packed [1, tokens, channels] output, got {tuple(hidden.shape)}"
         )
     bounds = [int(x) for x in cu_seq_lens.tolist()]
-    return [hidden[0, a:b] for a, b in zip(bounds, bounds[1:], strict=False)]
+    return [hidden[0, a:b] for a, b in itertools.pairwise(bounds)]
