@@ -341,3 +341,17 @@ def test_importing_the_library_does_not_import_transformers():
         "assert 'transformers' not in sys.modules, 'transformers imported'"
     )
     subprocess.run([sys.executable, "-c", code], check=True)
+
+
+def test_packed_by_position_ids_alone_and_mismatched_key_lengths_refused():
+    case = _case("Qwen3Model", torch.float32)
+    packed = abt.pack_sequences(case.batch.sequences)
+    hidden = _run(
+        case.model, NAME, input_ids=packed["input_ids"], position_ids=packed["position_ids"]
+    )
+    parts = abt.unpack_hidden(hidden, packed["cu_seq_lens_q"])
+    assert _max_error(parts, case.eager) <= case.tolerance
+    wrong_k = packed["cu_seq_lens_k"].clone()
+    wrong_k[1] += 1
+    with pytest.raises(ab.IntegrationError, match="cu_seq_lens_k differs"):
+        _run(case.model, NAME, **{**packed, "cu_seq_lens_k": wrong_k})

@@ -45,6 +45,7 @@ __all__ = [
     "DEFAULT_NAME",
     "PackedBatch",
     "attention_forward",
+    "decisions",
     "pack_sequences",
     "padding_mask",
     "register",
@@ -73,6 +74,13 @@ def register(name: str = DEFAULT_NAME, *, backend: str | None = None) -> str:
     AttentionInterface.register(name, attend)
     AttentionMaskInterface.register(name, padding_mask)
     return name
+
+
+def decisions() -> list[Selection]:
+    """The backend decisions the attention function has made so far (one per spec, device and
+    requested backend): ``[s.name for s in decisions()]`` says which backend served a model."""
+    with _selections_lock:
+        return list(_selections.values())
 
 
 def padding_mask(
@@ -221,13 +229,11 @@ def _batch_layout(
     cu = kwargs.get("cu_seq_lens_q")
     if isinstance(cu, torch.Tensor):
         cu_k = kwargs.get("cu_seq_lens_k")
-        if isinstance(cu_k, torch.Tensor) and cu_k is not cu and not torch.equal(cu_k, cu):
-            raise IntegrationError(
-                "cu_seq_lens_k differs from cu_seq_lens_q: keys of other lengths than the "
-                "queries mean a KV cache or cross-attention; pass equal prefix sums"
-            )
         return cached_layout(
-            "cu_seqlens", cu, (batch, seq), lambda: _layout.from_cu_seqlens(cu, batch, seq)
+            "cu_seqlens",
+            cu,
+            (batch, seq, id(cu_k)),
+            lambda: _layout.from_cu_seqlens(_same_keys(cu, cu_k), batch, seq),
         )
     positions = kwargs.get("position_ids")
     if (
@@ -245,6 +251,16 @@ def _batch_layout(
     return cached_layout(
         "full", None, (batch, seq, device), lambda: _layout.full_rows(batch, seq, device)
     )
+
+
+def _same_keys(cu_q: torch.Tensor, cu_k: object) -> torch.Tensor:
+    """``cu_seq_lens_q``, once checked (per batch) to equal ``cu_seq_lens_k`` when given."""
+    if isinstance(cu_k, torch.Tensor) and cu_k is not cu_q and not torch.equal(cu_k, cu_q):
+        raise IntegrationError(
+            "cu_seq_lens_k differs from cu_seq_lens_q: keys of other lengths than the "
+            "queries mean a KV cache or cross-attention; pass equal prefix sums"
+        )
+    return cu_q
 
 
 def _padding_of_4d(mask: torch.Tensor, causal: bool) -> torch.Tensor:
@@ -343,11 +359,12 @@ def pack_sequences(
     ids = torch.tensor([t for s in sequences for t in s], dtype=torch.long, device=device)
     positions = torch.cat([torch.arange(n, dtype=torch.long) for n in lengths]) + position_offset
     cu = torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()], dtype=torch.int32)
+    cu = cu.to(device)  # one tensor for q and k: equal by construction
     return PackedBatch(
         input_ids=ids[None],
         position_ids=positions[None].to(device),
-        cu_seq_lens_q=cu.to(device),
-        cu_seq_lens_k=cu.to(device),
+        cu_seq_lens_q=cu,
+        cu_seq_lens_k=cu,
         max_length_q=max(lengths),
         max_length_k=max(lengths),
     )
