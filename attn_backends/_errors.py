@@ -102,3 +102,14 @@ class ReentrantRegistryError(PluginLoadError):
     Loading holds the registry, so such a call could only deadlock. Do that work later, when the
     backend is used (in ``plan_kernel`` or ``attend``), never at import or in the hook.
     """
+
+
+class IntegrationError(AttentionBackendError, ValueError):
+    """A framework integration (``attn_backends.integrations``) was called in a way this
+    library cannot serve: dropout while training, attention weights requested, a custom mask,
+    cross-attention or a KV cache. The message says what to change in the model call."""
+
+
+class FeatureNotSupportedError(IntegrationError, NotImplementedError):
+    """A model asks for an attention feature the spec cannot express yet (sliding window, logit
+    soft-cap, attention sinks). Use another attention implementation for that model for now."""

@@ -1,0 +1,125 @@
+"""Where a framework batch's valid tokens are, worked out once per batch for every layer.
+
+A model hands attention ``[B, S, ...]`` tensors. The kernels take packed rows of valid tokens,
+so each batch needs: the sequence lengths (for `FMHAParams`) and, when the batch carries
+padding, which ``(row, column)`` cells hold the valid tokens, in order. Nothing here knows a
+framework; `attn_backends.integrations.transformers` decides which source describes the batch.
+"""
+
+from __future__ import annotations
+
+import itertools
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+import torch
+
+from .._errors import IntegrationError
+from .._params import FMHAParams
+from .._spec import AttentionSpec
+
+
+@dataclass(frozen=True, eq=False)
+class BatchLayout:
+    """The valid tokens of one ``[batch, seq]`` batch and the plans prepared for it."""
+
+    batch: int
+    seq: int
+    params: FMHAParams
+    cells: tuple[torch.Tensor, torch.Tensor] | None
+    """``(row, column)`` int64 indices of the valid tokens in order, or None when every cell
+    is valid (the rows are used as they are, no gather)."""
+    plans: dict[AttentionSpec, object] = field(default_factory=dict)
+    """One plan per spec: layers of one spec share it."""
+
+
+def _layout(
+    lengths: Sequence[int],
+    batch: int,
+    seq: int,
+    device: torch.device,
+    cells: tuple[torch.Tensor, torch.Tensor] | None,
+) -> BatchLayout:
+    params = FMHAParams.from_lengths([n for n in lengths if n > 0], device=device)
+    return BatchLayout(batch, seq, params, cells)
+
+
+def full_rows(batch: int, seq: int, device: torch.device) -> BatchLayout:
+    """Each of the ``batch`` rows is one whole sequence of ``seq`` tokens."""
+    return _layout([seq] * batch, batch, seq, device, None)
+
+
+def from_padding_mask(mask: torch.Tensor) -> BatchLayout:
+    """``mask [B, S]`` (True or non-zero: a real token), right, left or any padding. The
+    valid tokens of a row form one sequence, in their order (what the model's own causal and
+    padding masks mean for those tokens)."""
+    if mask.dim() != 2:
+        raise IntegrationError(
+            f"a padding mask must be [batch, seq], got shape {tuple(mask.shape)}"
+        )
+    valid = mask if mask.dtype == torch.bool else mask != 0
+    batch, seq = valid.shape
+    lengths = valid.sum(dim=1).tolist()
+    if sum(lengths) == batch * seq:
+        return full_rows(batch, seq, mask.device)
+    if sum(lengths) == 0:
+        raise IntegrationError("the attention mask marks no token as valid; pass a real batch")
+    rows, cols = valid.nonzero(as_tuple=True)
+    return _layout(lengths, batch, seq, mask.device, (rows, cols))
+
+
+def from_cu_seqlens(cu_seqlens: torch.Tensor, batch: int, seq: int) -> BatchLayout:
+    """Packed input: one row (``batch == 1``) holding the sequences that ``cu_seqlens``
+    (prefix sums, ``[n + 1]``) delimit."""
+    bounds = [int(x) for x in cu_seqlens.reshape(-1).tolist()]
+    if batch != 1:
+        raise IntegrationError(
+            f"cu_seq_lens describe one packed row, but the batch has {batch} rows; pack every "
+            "sequence into one row (batch size 1) or pass a padding mask instead"
+        )
+    if len(bounds) < 2 or bounds[0] != 0 or bounds[-1] != seq:
+        raise IntegrationError(
+            f"cu_seq_lens must start at 0 and end at the packed length {seq}; got {bounds[:4]}"
+            f"{'...' if len(bounds) > 4 else ''} ending at {bounds[-1] if bounds else None}"
+        )
+    lengths = [b - a for a, b in itertools.pairwise(bounds)]
+    if any(n < 0 for n in lengths):
+        raise IntegrationError("cu_seq_lens must be non-decreasing prefix sums of the lengths")
+    return _layout(lengths, batch, seq, cu_seqlens.device, None)
+
+
+def from_position_ids(position_ids: torch.Tensor, batch: int, seq: int) -> BatchLayout:
+    """Sequences packed into rows, each starting where the positions stop counting up by one
+    (a restart at 0, or at a model's position offset). Every row starts a sequence."""
+    flat = position_ids.expand(batch, seq).reshape(-1)
+    starts = torch.ones_like(flat, dtype=torch.bool)
+    if flat.numel() > 1:
+        starts[1:] = flat[1:] != flat[:-1] + 1
+    starts.view(batch, seq)[:, 0] = True
+    begin = starts.nonzero().reshape(-1).tolist()
+    ends = [*begin[1:], batch * seq]
+    lengths = [e - b for b, e in zip(begin, ends, strict=True)]
+    return _layout(lengths, batch, seq, position_ids.device, None)
+
+
+def padding_of_4d(mask: torch.Tensor, *, causal: bool) -> torch.Tensor | None:
+    """The ``[B, S]`` padding mask behind a 4-D mask ``[B, 1 or H, S, S]`` that only pads (and,
+    when ``causal``, hides the future), or None when the mask says anything else.
+
+    A key is valid when its own query sees it (the diagonal); the mask must then equal the
+    padding (and causal) pattern on every valid query row. Rows of padding queries are free:
+    their outputs are zeros here and ignored by the model.
+    """
+    if mask.dim() != 4 or mask.shape[-1] != mask.shape[-2]:
+        return None
+    allowed = mask if mask.dtype == torch.bool else mask == 0
+    if not bool((allowed == allowed[:, :1]).all()):
+        return None  # heads differ
+    allowed = allowed[:, 0]
+    seq = allowed.shape[-1]
+    valid = allowed.diagonal(dim1=-2, dim2=-1)
+    expected = valid[:, None, :].expand_as(allowed)
+    if causal:
+        expected = expected & torch.ones(seq, seq, dtype=torch.bool, device=mask.device).tril()
+    agree = (allowed == expected) | ~valid[:, :, None]
+    return valid if bool(agree.all()) else None
