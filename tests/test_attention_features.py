@@ -86,8 +86,10 @@ def test_features_are_frozen_hashable_and_serialised():
     assert record["logit_softcap"] == 30.0
     assert record["alibi"] == {"slopes": slopes}
     assert spec_of(alibi=ab.AlibiSpec()).to_dict()["alibi"] == {"slopes": "bloom"}
+    window = spec.window
+    assert window is not None
     with pytest.raises(AttributeError):
-        spec.window.left = 1  # type: ignore[misc, union-attr]
+        window.left = 1
 
 
 def test_alibi_keeps_rope_out_of_the_fused_kernel():
@@ -111,6 +113,7 @@ def _hf_sdpa_mask(mask_function, length: int) -> torch.Tensor:
         allow_is_bidirectional_skip=False,
         device=torch.device("cpu"),
     )
+    assert mask is not None
     return mask[0, 0].bool()
 
 
@@ -140,7 +143,8 @@ def _hf_model_mask(config, length: int, create) -> torch.Tensor:
         "attention_mask": torch.ones(1, length, dtype=torch.long),
         "cache": None,
     }
-    return create(**kwargs)[0, 0].bool()
+    mask: torch.Tensor = create(**kwargs)[0, 0].bool()
+    return mask
 
 
 @pytest.mark.parametrize("local_attention", [2, 4, 6, 9, 128])
@@ -189,6 +193,7 @@ def test_gemma3_bidirectional_window_matches_hf(sliding_window, length):
         sliding_window=sliding_window,
         use_bidirectional_attention=True,
     )
+    assert config.sliding_window is not None
     overlay = modeling_gemma3._bidirectional_window_overlay(config.sliding_window)
 
     def create(**kwargs):
@@ -261,7 +266,7 @@ def test_reference_matches_an_independent_dense_computation(causal, kw):
     kw = dict(kw)
     if "window" in kw:
         kw["window"] = ab.SlidingWindow(2, 0 if causal else 1)
-    spec = ab.AttentionSpec(4, 2, 8, torch.float32, causal, **kw)  # type: ignore[arg-type]
+    spec = ab.AttentionSpec(4, 2, 8, torch.float32, causal, **kw)
     lengths = (5, 1, 7)
     params, qkv = batch(spec, lengths, pad=2, seed=3)
     ref = ab.reference_attention(qkv, spec, params)
