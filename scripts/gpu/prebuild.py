@@ -44,6 +44,7 @@ import argparse
 import multiprocessing
 import os
 import queue
+import re
 import subprocess
 import sys
 import threading
@@ -250,6 +251,11 @@ def main() -> int:
         help="skip modules whose description contains TEXT (repeatable)",
     )
     parser.add_argument(
+        "--only",
+        metavar="REGEX",
+        help="build only modules whose description matches REGEX (re.search), e.g. 'swa|ALIBI'",
+    )
+    parser.add_argument(
         "--budget",
         type=float,
         default=530.0,
@@ -267,7 +273,9 @@ def main() -> int:
     modules = [
         m
         for m in order(list(users))
-        if not (args.no_rope and m == ROPE_MODULE) and not any(s in str(m) for s in args.skip)
+        if not (args.no_rope and m == ROPE_MODULE)
+        and not any(s in str(m) for s in args.skip)
+        and (args.only is None or re.search(args.only, str(m)))
     ]
     print(
         f"FLASHINFER_CUDA_ARCH_LIST={os.environ['FLASHINFER_CUDA_ARCH_LIST']} MAX_JOBS={jobs} "
