@@ -18,5 +18,7 @@ class KernelModule:
     """Built already (a load, not a compile); None when the library cannot tell."""
     build_cpu_seconds: float | None
     """Rough CPU-seconds to compile it; divide by the build's parallel jobs for wall time."""
+    longest_object_seconds: float | None
+    """Rough seconds of its slowest object file: no number of jobs builds it faster."""
     cache_dir: str | None
     """Where the library keeps it once built."""

@@ -70,12 +70,16 @@ def build_jobs() -> int:
 
 
 def estimate_build_seconds(modules: Sequence[KernelModule], jobs: int) -> float | None:
-    """Wall seconds to build the modules not cached, with ``jobs`` parallel compile jobs; 0 when
-    all are built, None when the cost or cache state of one is unknown."""
+    """Wall seconds to build the modules not cached, with ``jobs`` parallel compile jobs: the
+    CPU work spread over the jobs, but never less than the slowest single object; 0 when all
+    are built, None when the cost of one is unknown."""
     missing = [m for m in modules if m.cached is not True]
+    if not missing:
+        return 0.0
     if any(m.build_cpu_seconds is None for m in missing):
         return None
-    return sum(m.build_cpu_seconds or 0.0 for m in missing) / max(1, jobs)
+    spread = sum(m.build_cpu_seconds or 0.0 for m in missing) / max(1, jobs)
+    return max(spread, *(m.longest_object_seconds or 0.0 for m in missing))
 
 
 def plan_lines(modules: Sequence[KernelModule], jobs: int) -> list[str]:

@@ -47,7 +47,7 @@ def test_a_module_reports_flashinfers_cache_state_cost_and_location(monkeypatch,
     monkeypatch.setattr(jit, "cache_dir", lambda: "/jit/cached_ops")
     module = jit.kernel_module(FA3)
     assert module == ab.KernelModule(
-        "flashinfer fa3 bfloat16 d128 posenc=NONE", compiled, 720.0, "/jit/cached_ops"
+        "flashinfer fa3 bfloat16 d128 posenc=NONE", compiled, 720.0, 95.0, "/jit/cached_ops"
     )
 
 

@@ -68,8 +68,10 @@ def test_an_unservable_spec_raises_the_selection_error():
         ab.warmup(fp8_rope, device="cpu")
 
 
-def _module(name: str, cached: bool | None, cpu: float | None = 100.0) -> ab.KernelModule:
-    return ab.KernelModule(name, cached, cpu, "/cache/jit")
+def _module(
+    name: str, cached: bool | None, cpu: float | None = 100.0, longest: float = 10.0
+) -> ab.KernelModule:
+    return ab.KernelModule(name, cached, cpu, longest, "/cache/jit")
 
 
 def test_the_plan_says_where_the_cache_is_and_what_is_left_to_build():
@@ -81,6 +83,8 @@ def test_the_plan_says_where_the_cache_is_and_what_is_left_to_build():
     assert _warmup.estimate_build_seconds(modules, 8) == pytest.approx(100.0)
     assert _warmup.estimate_build_seconds([_module("a", True)], 8) == 0.0
     assert _warmup.estimate_build_seconds([_module("x", None, None)], 8) is None
+    slow_object = [_module("fa3", False, 720.0, longest=95.0)]
+    assert _warmup.estimate_build_seconds(slow_object, 16) == 95.0, "the slowest object bounds it"
     assert _warmup.plan_lines([], jobs=8) == [
         "no compiled kernel modules to build (the selected backends need none)"
     ]

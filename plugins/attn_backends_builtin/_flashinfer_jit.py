@@ -30,6 +30,16 @@ BUILD_CPU_SECONDS: dict[JitKind, float] = {
 about 80 s each; fa2 10 objects of about 19 s; FMHA v2 about 136 objects, at about one per
 second on 16 cores; RoPE 2 objects. Divide by the build's parallel jobs for wall time."""
 
+LONGEST_OBJECT_SECONDS: dict[JitKind, float] = {
+    "fa3": 95.0,
+    "fa2": 35.0,
+    "fmha_v2": 20.0,
+    "rope": 40.0,
+}
+"""Rough wall seconds of a module's slowest object on an H200 machine's cores: a fa3 module
+built alone with 16 jobs took 95 s, a fa2 module 34 s (flashinfer 0.7.4, 2026-12-01); a
+module is never done sooner, however many jobs run."""
+
 _DTYPES = {"float16": torch.float16, "bfloat16": torch.bfloat16}
 
 
@@ -111,5 +121,6 @@ def kernel_module(module: JitModule) -> KernelModule:
         name=f"flashinfer {module}",
         cached=is_cached(module),
         build_cpu_seconds=BUILD_CPU_SECONDS[module.kind],
+        longest_object_seconds=LONGEST_OBJECT_SECONDS[module.kind],
         cache_dir=where,
     )
