@@ -158,65 +158,30 @@ SIGNATURES: dict[str, Callable[..., Any]] = {
 # check compare whichever release is installed.
 
 
-def _sig_plan_074(
-    self: Any,
-    qo_indptr: torch.Tensor,
-    kv_indptr: torch.Tensor,
-    num_qo_heads: int,
-    num_kv_heads: int,
-    head_dim_qk: int,
-    head_dim_vo: int | None = None,
-    custom_mask: torch.Tensor | None = None,
-    packed_custom_mask: torch.Tensor | None = None,
-    causal: bool = False,
-    pos_encoding_mode: str = "NONE",
-    use_fp16_qk_reduction: bool = False,
-    window_left: int = -1,
-    logits_soft_cap: float | None = None,
-    sm_scale: float | None = None,
-    rope_scale: float | None = None,
-    rope_theta: float | None = None,
-    q_data_type: str | torch.dtype = "float16",
-    kv_data_type: str | torch.dtype | None = None,
-    o_data_type: str | torch.dtype | None = None,
-    non_blocking: bool = True,
-    prefix_len_ptr: torch.Tensor | None = None,
-    token_pos_in_items_ptr: torch.Tensor | None = None,
-    token_pos_in_items_len: int = 0,
-    max_item_len_ptr: torch.Tensor | None = None,
-    fixed_split_size: int | None = None,
-    disable_split_kv: bool = False,
-    seq_lens: torch.Tensor | None = None,
-    seq_lens_q: torch.Tensor | None = None,
-    max_token_per_sequence: int | None = None,
-    max_sequence_kv: int | None = None,
-    v_indptr: torch.Tensor | None = None,
-    o_indptr: torch.Tensor | None = None,
-    qo_indptr_cpu: torch.Tensor | None = None,
-    kv_indptr_cpu: torch.Tensor | None = None,
-    uniform_q_len: int | None = None,
-    use_token_head_sf: bool = False,
-) -> None: ...
+def _appended(stub: Callable[..., Any], after: str, *names: tuple[str, Any]) -> Callable[..., Any]:
+    """A stub whose parameter list is ``stub``'s with keyword parameters ``(name, default)``
+    inserted after ``after``."""
+    params = list(inspect.signature(stub).parameters.values())
+    at = [p.name for p in params].index(after) + 1
+    extra = [inspect.Parameter(n, inspect.Parameter.KEYWORD_ONLY, default=d) for n, d in names]
+    kind = params[at - 1].kind
+    extra = [p.replace(kind=kind) for p in extra]
+
+    def newer(*args: Any, **kwargs: Any) -> Any: ...
+
+    newer.__signature__ = inspect.Signature(params[:at] + extra + params[at:])  # type: ignore[attr-defined]
+    return newer
 
 
-def _sig_run_074(
-    self: Any,
-    q: torch.Tensor,
-    k: torch.Tensor,
-    v: torch.Tensor,
-    *args: Any,
-    q_scale: float | None = None,
-    k_scale: float | None = None,
-    v_scale: float | None = None,
-    o_scale: float | None = None,
-    out: torch.Tensor | None = None,
-    lse: torch.Tensor | None = None,
-    return_lse: bool = False,
-    lse_base: str = "log2",
-    lse_layout: str = "NH",
-    enable_pdl: bool | None = None,
-    kv_cache_sf: Any = None,
-) -> Any: ...
+_sig_plan_074 = _appended(
+    _sig_plan,
+    "o_indptr",
+    ("qo_indptr_cpu", None),
+    ("kv_indptr_cpu", None),
+    ("uniform_q_len", None),
+    ("use_token_head_sf", False),
+)
+_sig_run_074 = _appended(_sig_run, "return_lse", ("lse_base", "log2"), ("lse_layout", "NH"))
 
 
 SIGNATURES_BY_VERSION: dict[str, dict[str, Callable[..., Any]]] = {
