@@ -137,8 +137,8 @@ class FlexBackend(PrefillBackend):
                 -10,
                 min_sm=80,
                 note="policy, not measured: below flashinfer (100) and torch-sdpa (0), so it "
-                "serves only what both refuse (soft-cap without flashinfer, or the windows and "
-                "ALiBi forms flashinfer refuses together with soft-capping)",
+                "serves only soft-capped specs flashinfer refuses (float32, a right-reaching "
+                "window, ALiBi alongside, no flashinfer installed)",
             ),
         ),
     )
