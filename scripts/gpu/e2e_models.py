@@ -97,6 +97,8 @@ def _modernbert(tiny: bool) -> Any:
     from transformers import ModernBertConfig
 
     size = (2, 64, 4, 128, 8) if tiny else (22, 768, 12, 1152, 128)
+    every = 2 if tiny else 3  # every n-th layer global, from the first
+    pattern: dict[str, Any] = {"global_attn_every_n_layers": every}
     return ModernBertConfig(
         vocab_size=1000,
         num_hidden_layers=size[0],
@@ -104,7 +106,10 @@ def _modernbert(tiny: bool) -> Any:
         num_attention_heads=size[2],
         intermediate_size=size[3],
         local_attention=size[4],
-        global_attn_every_n_layers=3 if not tiny else 2,
+        layer_types=[
+            "full_attention" if i % every == 0 else "sliding_attention" for i in range(size[0])
+        ],
+        **pattern,  # transformers before layer_types reads this
         max_position_embeddings=8192,
         pad_token_id=0,
         bos_token_id=1,
