@@ -4,7 +4,8 @@ Each model class is built from a tiny config with seeded random weights (no down
 on a right-padded batch is the reference; the integration runs the same weights on the padded
 batch and on the packed input. The tolerance comes from HF itself: the spread between its sdpa
 and eager paths on the same batch and dtype, times a small factor, plus a floor of a few units
-in the last place of the outputs. A negative control (wrong softmax scale, wrong causal flag)
+in the last place of the outputs. A negative control (wrong softmax scale, causal flag, window
+or soft-cap)
 must land far above that tolerance, so the comparison can fail.
 """
 
