@@ -5,8 +5,7 @@ on a right-padded batch is the reference; the integration runs the same weights 
 batch and on the packed input. The tolerance comes from HF itself: the spread between its sdpa
 and eager paths on the same batch and dtype, times a small factor, plus a floor of a few units
 in the last place of the outputs. A negative control (wrong softmax scale, causal flag, window
-or soft-cap)
-must land far above that tolerance, so the comparison can fail.
+or soft-cap) must land far above that tolerance, so the comparison can fail.
 """
 
 from __future__ import annotations
