@@ -4,6 +4,7 @@ value types that say which flag is wrong and what to give instead."""
 from __future__ import annotations
 
 import argparse
+import json
 import math
 import sys
 from collections.abc import Mapping
@@ -96,6 +97,47 @@ def rope_theta(text: str) -> float:
         raise argparse.ArgumentTypeError(
             f"expected a finite number > 1 (e.g. 10000 or 1e6), got {text!r}"
         )
+    return value
+
+
+def window(text: str) -> tuple[int, int]:
+    """``LEFT,RIGHT``: keys visible before and after the query (`SlidingWindow`)."""
+    parts = text.split(",")
+    hint = (
+        "expected LEFT,RIGHT: keys seen before and after the query, e.g. 4095,0 (causal) or 64,64"
+    )
+    if len(parts) != 2:
+        raise argparse.ArgumentTypeError(f"{hint}; got {text!r}")
+    try:
+        left, right = (int(p) for p in parts)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{hint}; got {text!r}") from None
+    if left < 0 or right < 0:
+        raise argparse.ArgumentTypeError(f"{hint}, both >= 0; got {text!r}")
+    return left, right
+
+
+def logit_softcap(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a number such as 50, got {text!r}") from None
+    if not (math.isfinite(value) and value > 0):
+        raise argparse.ArgumentTypeError(
+            f"expected a finite number > 0 (Gemma 2: 50 for attention), got {text!r}"
+        )
+    return value
+
+
+def rope_parameters(text: str) -> dict[str, object]:
+    """A JSON object as in a Hugging Face config's ``rope_parameters`` (or ``rope_scaling``)."""
+    hint = 'e.g. \'{"rope_type": "yarn", "factor": 4, "original_max_position_embeddings": 32768}\''
+    try:
+        value = json.loads(text)
+    except json.JSONDecodeError as exc:
+        raise argparse.ArgumentTypeError(f"not JSON ({exc.msg}); give an object, {hint}") from None
+    if not isinstance(value, dict):
+        raise argparse.ArgumentTypeError(f"expected a JSON object, {hint}; got {text!r}")
     return value
 
 

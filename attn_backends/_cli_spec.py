@@ -1,10 +1,11 @@
 """The attention spec that ``explain`` and ``check`` ask about, built from a preset and flags.
 
 Rule: each spec flag given replaces that one field of the preset; every field not given keeps
-the preset's value (without a preset: MHA, bf16, causal, no RoPE, no logn). Nothing given is
-dropped silently: a flag that cannot take effect, or two that contradict each other, is a
-`CommandLineError` that names both and says what to give instead. The cross-field checks run
-here, before `AttentionSpec`, so that the message speaks of flags rather than of fields.
+the preset's value (without a preset: MHA, bf16, causal, no RoPE, no logn, no window, soft-cap
+or ALiBi). Nothing given is dropped silently: a flag that cannot take effect, or two that
+contradict each other, is a `CommandLineError` that names both and says what to give instead.
+The cross-field checks run here, before `AttentionSpec`, so that the message speaks of flags
+rather than of fields.
 """
 
 from __future__ import annotations
@@ -16,7 +17,9 @@ import torch
 
 from ._cli_args import CommandLineError
 from ._errors import SpecError
+from ._features import AlibiSpec, SlidingWindow
 from ._presets import PRESETS
+from ._rope_scaling import RopeScaling
 from ._spec import AttentionSpec, RopeSpec
 
 _DEFAULT = AttentionSpec(1, 1, 2, torch.bfloat16, causal=True)
@@ -40,6 +43,7 @@ def _rope(args: argparse.Namespace, base: RopeSpec | None, preset: str | None) -
             ("--rope-theta", theta is not None),
             ("--rotary-dim", rotary_dim is not None),
             ("--interleaved", interleaved),
+            ("--rope-scaling", args.rope_scaling is not None),
         )
         if given
     ]
@@ -66,7 +70,64 @@ def _rope(args: argparse.Namespace, base: RopeSpec | None, preset: str | None) -
         rope = replace(rope, rotary_dim=rotary_dim)
     if interleaved:
         rope = replace(rope, interleaved=True)
-    return rope
+    return _scaled(args, rope)
+
+
+_MAX_POSITIONS_UNUSED = frozenset({"default", "linear", "proportional"})
+"""Scaling rules that never read ``max_position_embeddings``."""
+
+
+def _scaled(args: argparse.Namespace, rope: RopeSpec) -> RopeSpec:
+    """``rope`` with the ``--rope-scaling`` rule, read as transformers reads the dict."""
+    parameters: dict[str, object] | None = args.rope_scaling
+    max_positions: int | None = args.max_position_embeddings
+    if parameters is None:
+        return rope
+    try:
+        scaling = RopeScaling.from_hf(parameters, max_position_embeddings=max_positions)
+    except SpecError as exc:
+        raise CommandLineError(
+            f"--rope-scaling: {exc} (--max-position-embeddings N gives the config's "
+            "max_position_embeddings)"
+        ) from exc
+    if max_positions is not None and scaling.rope_type in _MAX_POSITIONS_UNUSED:
+        raise CommandLineError(
+            f"--max-position-embeddings {max_positions} has no effect on rope_type "
+            f"{scaling.rope_type!r} (only dynamic, yarn, longrope and llama3 read it): drop it"
+        )
+    try:
+        return replace(rope, scaling=scaling)
+    except SpecError as exc:
+        raise CommandLineError(f"--rope-scaling does not fit this RoPE: {exc}") from exc
+
+
+def _window(
+    args: argparse.Namespace, start: AttentionSpec, causal: bool, preset: str | None
+) -> SlidingWindow | None:
+    given: tuple[int, int] | None = args.window
+    if given is None:
+        return start.window
+    left, right = given
+    if causal and right:
+        if args.causal is not None:
+            source = "--causal"
+        elif preset is not None:
+            source = f"the causal mask of preset {preset}"
+        else:
+            source = "the default causal mask"
+        raise CommandLineError(
+            f"--window {left},{right} reaches {right} keys after the query, but {source} "
+            f"hides them: give --window {left},0, or --bidirectional for a two-sided window"
+        )
+    return SlidingWindow(left, right)
+
+
+def _max_positions_alone(args: argparse.Namespace) -> None:
+    if args.max_position_embeddings is not None and args.rope_scaling is None:
+        raise CommandLineError(
+            "--max-position-embeddings only feeds --rope-scaling: add --rope-scaling JSON "
+            '(e.g. \'{"rope_type": "dynamic", "factor": 2}\') or drop it'
+        )
 
 
 def spec_from_args(args: argparse.Namespace) -> AttentionSpec:
@@ -89,6 +150,7 @@ def spec_from_args(args: argparse.Namespace) -> AttentionSpec:
             f"of {_origin('--kv-heads', args.kv_heads, 'KV heads', preset, kv_heads)}: give "
             f"--kv-heads N with N dividing {heads} (N = {heads} for plain multi-head attention)"
         )
+    _max_positions_alone(args)
     rope = _rope(args, start.rope, preset)
     if rope is not None:
         dim_text = _origin("--head-dim", args.head_dim, "head dim", preset, head_dim)
@@ -103,6 +165,11 @@ def spec_from_args(args: argparse.Namespace) -> AttentionSpec:
             )
     logn: int | None = args.logn_base if args.logn_base is not None else start.logn_base
     causal: bool = args.causal if args.causal is not None else start.causal
+    window = _window(args, start, causal, preset)
+    softcap: float | None = (
+        args.logit_softcap if args.logit_softcap is not None else start.logit_softcap
+    )
+    alibi = AlibiSpec() if args.alibi else start.alibi
     try:
         return replace(
             start,
@@ -115,6 +182,9 @@ def spec_from_args(args: argparse.Namespace) -> AttentionSpec:
             use_logn_attn=logn is not None,
             logn_base=logn,
             use_mla=bool(args.mla) or start.use_mla,
+            window=window,
+            logit_softcap=softcap,
+            alibi=alibi,
         )
     except SpecError as exc:
         raise CommandLineError(f"these flags describe no valid attention layer: {exc}") from exc

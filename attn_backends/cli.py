@@ -108,6 +108,34 @@ def _add_spec_args(parser: CommandParser) -> None:
         metavar="N",
         help="enable logn scaling relative to this training context length",
     )
+    g.add_argument(
+        "--rope-scaling",
+        type=_cli_args.rope_parameters,
+        metavar="JSON",
+        help="RoPE scaling as a Hugging Face config's rope_parameters (or rope_scaling) dict, "
+        'e.g. \'{"rope_type": "linear", "factor": 4}\'; needs RoPE',
+    )
+    g.add_argument(
+        "--max-position-embeddings",
+        type=_cli_args.positive_int,
+        metavar="N",
+        help="the config's max_position_embeddings, for --rope-scaling (dynamic needs it; yarn "
+        "and longrope derive a missing factor from it)",
+    )
+    g.add_argument(
+        "--window",
+        type=_cli_args.window,
+        metavar="LEFT,RIGHT",
+        help="sliding window: the query at i sees keys i-LEFT .. i+RIGHT (RIGHT 0 on causal "
+        "specs; HF sliding_window W of Mistral/Qwen2/Gemma is W-1,0)",
+    )
+    g.add_argument(
+        "--logit-softcap",
+        type=_cli_args.logit_softcap,
+        metavar="CAP",
+        help="soft-cap the scaled scores to CAP*tanh(s/CAP) (Gemma 2: 50)",
+    )
+    g.add_argument("--alibi", action="store_true", help="ALiBi bias with BLOOM's slopes")
     g.add_argument("--mla", action="store_true", help="the layer uses MLA")
     s = parser.add_argument_group("selection")
     s.add_argument(

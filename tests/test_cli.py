@@ -396,3 +396,133 @@ def test_a_pipe_closed_early_is_quiet(argv, unbuffered):
     assert "Traceback" not in result.stderr
     assert "BrokenPipe" not in result.stderr
     assert "Exception ignored" not in result.stderr
+
+
+# Window, soft-cap, ALiBi and RoPE-scaling flags.
+
+
+@pytest.mark.parametrize(
+    ("flags", "expected"),
+    [
+        (
+            ["--preset", "short", "--window", "4095,0"],
+            {"window": {"left": 4095, "right": 0}, "num_kv_heads": 8},
+        ),
+        (
+            ["--preset", "bert-base", "--window", "64,64", "--alibi"],
+            {"window": {"left": 64, "right": 64}, "alibi": {"slopes": "bloom"}, "causal": False},
+        ),
+        (["--preset", "short", "--logit-softcap", "50"], {"logit_softcap": 50.0}),
+        (
+            ["--preset", "short", "--rope-scaling", '{"rope_type": "linear", "factor": 4}'],
+            {"rope": {"theta": 1e6, "rotary_dim": 128, "interleaved": False}},
+        ),
+    ],
+    ids=["causal-window", "bidirectional-window-alibi", "softcap", "rope-scaling"],
+)
+@pytest.mark.usefixtures("flex_registry")
+def test_feature_flags_replace_their_field_only(capsys, flags, expected):
+    code, out, err = run(capsys, "explain", *flags, "--platform", "cpu", "--json")
+    assert code == 0, err
+    spec = strict_json(out)["spec"]
+    rope = spec["rope"]
+    if rope is not None:
+        rope = {k: v for k, v in rope.items() if k != "scaling"}
+    assert {key: (rope if key == "rope" else spec[key]) for key in expected} == expected
+
+
+def test_rope_scaling_is_read_as_transformers_reads_the_dict(capsys):
+    parameters = {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 4096}
+    code, out, err = run(
+        capsys,
+        "explain",
+        *("--preset", "short", "--rope-scaling", json.dumps(parameters)),
+        *("--max-position-embeddings", "32768", "--platform", "cpu", "--json"),
+    )
+    assert code == 0, err
+    expected = ab.RopeScaling.from_hf(parameters, max_position_embeddings=32768).to_dict()
+    assert strict_json(out)["spec"]["rope"]["scaling"] == expected
+
+
+@pytest.fixture
+def flex_registry():
+    from attn_backends_builtin import flex
+
+    reg = ab.Registry()
+    reg.register_plugin(torch_sdpa, name="torch-sdpa")
+    reg.register_plugin(flex, name="flex")
+    ab.reset_registry(reg)
+    yield reg
+    ab.reset_registry()
+
+
+@pytest.mark.usefixtures("flex_registry")
+def test_softcap_flag_selects_flex_on_cpu_and_its_canary_passes(capsys):
+    flags = ("--heads", "4", "--head-dim", "32", "--dtype", "fp32", "--logit-softcap", "20")
+    code, out, err = run(capsys, "explain", *flags, "--device", "cpu", "--json")
+    assert code == 0, err
+    assert strict_json(out)["selected"] == "flex"
+    code, out, err = run(capsys, "check", *flags, "--window", "3,0", "--alibi", "--device", "cpu")
+    assert code == 0, err
+    assert out.startswith("OK: flex")
+
+
+FEATURE_MISTAKES = {
+    "window-format": (["--window", "4"], ["--window", "LEFT,RIGHT"]),
+    "window-negative": (["--window", "4,-1"], ["--window", ">= 0"]),
+    "window-right-causal": (
+        ["--window", "4,4"],
+        ["--window 4,4", "causal mask of preset short", "--window 4,0", "--bidirectional"],
+    ),
+    "window-right-causal-flag": (
+        ["--causal", "--window", "2,1"],
+        ["--window 2,1", "--causal hides", "--window 2,0"],
+    ),
+    "softcap-zero": (["--logit-softcap", "0"], ["--logit-softcap", "> 0"]),
+    "softcap-text": (["--logit-softcap", "big"], ["--logit-softcap", "'big'"]),
+    "rope-scaling-not-json": (["--rope-scaling", "{factor: 4}"], ["--rope-scaling", "not JSON"]),
+    "rope-scaling-not-object": (["--rope-scaling", "[4]"], ["--rope-scaling", "JSON object"]),
+    "rope-scaling-type": (
+        ["--rope-scaling", '{"rope_type": "ntk"}'],
+        ["--rope-scaling", "'ntk'", "yarn"],
+    ),
+    "rope-scaling-dynamic": (
+        ["--rope-scaling", '{"rope_type": "dynamic", "factor": 2}'],
+        ["--rope-scaling", "max_position_embeddings", "--max-position-embeddings N"],
+    ),
+    "rope-scaling-no-rope": (
+        ["--no-rope", "--rope-scaling", '{"rope_type": "linear", "factor": 2}'],
+        ["--no-rope contradicts --rope-scaling"],
+    ),
+    "max-positions-alone": (
+        ["--max-position-embeddings", "4096"],
+        ["--max-position-embeddings", "only feeds --rope-scaling", "drop it"],
+    ),
+    "max-positions-unused": (
+        [
+            *("--rope-scaling", '{"rope_type": "linear", "factor": 2}'),
+            *("--max-position-embeddings", "4096"),
+        ],
+        ["--max-position-embeddings 4096", "'linear'", "drop it"],
+    ),
+}
+
+
+@pytest.mark.parametrize(
+    ("flags", "fragments"), FEATURE_MISTAKES.values(), ids=FEATURE_MISTAKES.keys()
+)
+def test_a_feature_flag_mistake_is_one_line_and_exit_2(capsys, flags, fragments):
+    code, out, err = run(capsys, "explain", "--preset", "short", *flags, "--platform", "cpu")
+    assert (code, out) == (2, "")
+    assert err.startswith("attn-backends: error: ") and err.count("\n") == 1, err
+    for fragment in fragments:
+        assert fragment in err
+
+
+def test_rope_scaling_without_rope_names_the_fix(capsys):
+    scaling = '{"rope_type": "linear", "factor": 2}'
+    code, _, err = run(
+        capsys, "explain", "--preset", "bert-base", "--rope-scaling", scaling, "--platform", "cpu"
+    )
+    assert code == 2
+    assert "--rope-scaling shapes RoPE" in err and "--rope-theta THETA" in err

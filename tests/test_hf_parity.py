@@ -4,13 +4,15 @@ Each model class is built from a tiny config with seeded random weights (no down
 on a right-padded batch is the reference; the integration runs the same weights on the padded
 batch and on the packed input. The tolerance comes from HF itself: the spread between its sdpa
 and eager paths on the same batch and dtype, times a small factor, plus a floor of a few units
-in the last place of the outputs. A negative control (wrong softmax scale, wrong causal flag)
-must land far above that tolerance, so the comparison can fail.
+in the last place of the outputs. A negative control (wrong softmax scale, causal flag, window
+or soft-cap) must land far above that tolerance, so the comparison can fail.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import functools
+import logging
 import math
 import subprocess
 import sys
@@ -23,8 +25,24 @@ import torch
 transformers = pytest.importorskip("transformers")
 
 import attn_backends as ab  # noqa: E402
+from attn_backends.integrations import _hf_features  # noqa: E402
 from attn_backends.integrations import transformers as abt  # noqa: E402
 
+
+def _flex_from_this_checkout() -> None:
+    """Serve soft-capping on CPU with the flex plugin of this checkout when the installed
+    entry points predate it (an editable install from before flex existed)."""
+    registry = ab.get_registry()
+    if registry.get("flex") is not None:
+        return
+    try:
+        from attn_backends_builtin import flex
+    except ImportError:
+        return
+    registry.register_plugin(flex, name="flex")
+
+
+_flex_from_this_checkout()
 NAME = abt.register()
 LENGTHS = (5, 11, 1, 8)
 VOCAB = 120
@@ -37,22 +55,97 @@ COMMON = {
     "num_hidden_layers": 2,
     "num_attention_heads": 4,
 }
+MODERNBERT_TOKENS = {
+    "pad_token_id": 0,
+    "bos_token_id": 1,
+    "eos_token_id": 2,
+    "cls_token_id": 1,
+    "sep_token_id": 2,
+}
+GEMMA2_SOFTCAP = 2.0
+
+
+def _rope_parameters() -> dict[str, dict[str, Any]]:
+    """One ``rope_parameters`` dict per rope type of transformers' table, with lengths around
+    the test batch's longest sequence (11) so the length-dependent rules switch on."""
+    pairs = 8  # head_dim 16
+    return {
+        "default": {"rope_type": "default", "rope_theta": 10000.0},
+        "linear": {"rope_type": "linear", "rope_theta": 10000.0, "factor": 2.0},
+        "dynamic": {"rope_type": "dynamic", "rope_theta": 10000.0, "factor": 2.0},
+        "yarn": {
+            "rope_type": "yarn",
+            "rope_theta": 10000.0,
+            "factor": 4.0,
+            "original_max_position_embeddings": 8,
+        },
+        "longrope": {
+            "rope_type": "longrope",
+            "rope_theta": 10000.0,
+            "short_factor": [1.0 + 0.1 * i for i in range(pairs)],
+            "long_factor": [1.0 + 0.5 * i for i in range(pairs)],
+            "original_max_position_embeddings": 8,
+        },
+        "llama3": {
+            "rope_type": "llama3",
+            "rope_theta": 10000.0,
+            "factor": 8.0,
+            "low_freq_factor": 1.0,
+            "high_freq_factor": 4.0,
+            "original_max_position_embeddings": 8,
+        },
+    }
 
 
 def _configs() -> dict[str, Callable[[], Any]]:
+    """Case id (the model class, then the variant in brackets) -> config factory."""
     t = transformers
-    return {
+    gqa = {**COMMON, "num_key_value_heads": 2, "use_cache": False}
+    two_kinds = ["sliding_attention", "full_attention"]
+    cases: dict[str, Callable[[], Any]] = {
         "BertModel": lambda: t.BertConfig(**COMMON, max_position_embeddings=64),
         "XLMRobertaModel": lambda: t.XLMRobertaConfig(**COMMON, max_position_embeddings=64),
-        "Qwen3Model": lambda: t.Qwen3Config(
-            **COMMON, num_key_value_heads=2, head_dim=16, use_cache=False
+        "Qwen3Model": lambda: t.Qwen3Config(**gqa, head_dim=16),
+        "GPTNeoXModel[partial-rotary]": lambda: t.GPTNeoXConfig(
+            **COMMON, rotary_pct=0.25, use_cache=False
         ),
-        "Qwen2Model": lambda: t.Qwen2Config(**COMMON, num_key_value_heads=2, use_cache=False),
-        "GPTNeoXModel": lambda: t.GPTNeoXConfig(**COMMON, rotary_pct=0.25, use_cache=False),
-        "MistralModel": lambda: t.MistralConfig(
-            **COMMON, num_key_value_heads=2, sliding_window=None, use_cache=False
+        "MistralModel": lambda: t.MistralConfig(**gqa, sliding_window=None),
+        # sliding_window 4 < the longest sequence (11): keys 4 back and further are hidden
+        "MistralModel[window]": lambda: t.MistralConfig(**gqa, sliding_window=4),
+        # layer 0 global, layer 1 local with |i - j| <= 2
+        "ModernBertModel[local]": lambda: t.ModernBertConfig(
+            **COMMON, **MODERNBERT_TOKENS, local_attention=4, global_attn_every_n_layers=2
+        ),
+        # a soft-cap of 2 bites on scores of a few units; layer 0 sliding (4), layer 1 global
+        "Gemma2Model[window+softcap]": lambda: t.Gemma2Config(
+            **gqa,
+            head_dim=16,
+            sliding_window=4,
+            attn_logit_softcapping=GEMMA2_SOFTCAP,
+            query_pre_attn_scalar=16,
+            layer_types=two_kinds,
+        ),
+        "Gemma3TextModel[causal]": lambda: t.Gemma3TextConfig(
+            **gqa, head_dim=16, sliding_window=4, layer_types=two_kinds
+        ),
+        # EmbeddingGemma's layout: config.json's 6 becomes |i - j| <= 3 on sliding layers
+        "Gemma3TextModel[bidirectional]": lambda: t.Gemma3TextConfig(
+            **gqa,
+            head_dim=16,
+            sliding_window=6,
+            layer_types=two_kinds,
+            use_bidirectional_attention=True,
         ),
     }
+    for rope_type, params in _rope_parameters().items():
+        cases[f"Qwen2Model[rope={rope_type}]"] = functools.partial(
+            t.Qwen2Config, **gqa, max_position_embeddings=8, rope_parameters=params
+        )
+    return cases
+
+
+def _class_of(case_id: str) -> str:
+    return case_id.split("[")[0]
 
 
 def _randomize(model: torch.nn.Module, seed: int) -> None:
@@ -89,11 +182,17 @@ def _batch(pad_id: int, seed: int = 0, *, left: bool = False) -> Batch:
     return Batch(seqs, ids, mask)
 
 
-def _build(class_name: str, dtype: torch.dtype) -> tuple[Any, Any]:
-    cfg = _configs()[class_name]()
+def _build(case_id: str, dtype: torch.dtype, *, layers: int | None = None) -> tuple[Any, Any]:
+    """The case's model; ``layers`` repeats its layer pattern to that depth."""
+    cfg = _configs()[case_id]()
+    if layers is not None:
+        pattern = getattr(cfg, "layer_types", None)
+        cfg.num_hidden_layers = layers
+        if pattern is not None:
+            cfg.layer_types = [pattern[i % len(pattern)] for i in range(layers)]
     torch.manual_seed(0)
     model = transformers.AutoModel.from_config(cfg, attn_implementation="eager")
-    assert type(model).__name__ == class_name
+    assert type(model).__name__ == _class_of(case_id)
     _randomize(model, seed=3)
     return model.to(dtype).eval(), cfg
 
@@ -135,19 +234,66 @@ class Case:
 _CASES: dict[tuple[str, torch.dtype], Case] = {}
 
 
-def _case(class_name: str, dtype: torch.dtype) -> Case:
+def _case(case_id: str, dtype: torch.dtype) -> Case:
     """Model, batch, eager reference and the tolerance HF's own sdpa-vs-eager spread allows."""
-    key = (class_name, dtype)
+    key = (case_id, dtype)
     if key not in _CASES:
-        model, cfg = _build(class_name, dtype)
+        model, cfg = _build(case_id, dtype)
         pad = cfg.pad_token_id if cfg.pad_token_id is not None else 0
         batch = _batch(pad)
         inputs = {"input_ids": batch.input_ids, "attention_mask": batch.attention_mask}
         eager = _valid(_run(model, "eager", **inputs), batch)
-        spread = _max_error(_valid(_run(model, "sdpa", **inputs), batch), eager)
+        spread = _sdpa_spread(model, batch)
         floor = FLOOR_ULPS * torch.finfo(dtype).eps
         _CASES[key] = Case(model, cfg, batch, eager, SPREAD_FACTOR * spread + floor)
     return _CASES[key]
+
+
+def _sdpa_spread(model: Any, batch: Batch) -> float:
+    """HF's sdpa against HF's eager on the batch. Gemma 2 has no sdpa path (sdpa cannot
+    soft-cap): its spread is taken on the same weights with the soft-cap switched off, sdpa
+    forced, and the soft-cap put back afterwards."""
+    inputs = {"input_ids": batch.input_ids, "attention_mask": batch.attention_mask}
+    layers = [m for m in model.modules() if hasattr(m, "attn_logit_softcapping")]
+    if not layers:
+        eager = _valid(_run(model, "eager", **inputs), batch)
+        return _max_error(_valid(_run(model, "sdpa", **inputs), batch), eager)
+    caps = [m.attn_logit_softcapping for m in layers]
+    try:
+        for m in layers:
+            m.attn_logit_softcapping = None
+        eager = _valid(_run(model, "eager", **inputs), batch)
+        model.config._attn_implementation = "sdpa"  # bypasses the "no sdpa" class flag
+        with torch.no_grad():
+            sdpa = model(**inputs).last_hidden_state.float()
+        return _max_error(_valid(sdpa, batch), eager)
+    finally:
+        for m, cap in zip(layers, caps, strict=True):
+            m.attn_logit_softcapping = cap
+        model.set_attn_implementation("eager")
+
+
+def _softcap_served_on_cpu() -> bool:
+    spec = ab.AttentionSpec(
+        num_heads=4,
+        num_kv_heads=2,
+        head_dim=16,
+        dtype=torch.float32,
+        causal=True,
+        logit_softcap=2.0,
+    )
+    try:
+        ab.select(spec, device="cpu")
+    except ab.NoBackendError:
+        return False
+    return True
+
+
+def _needs_softcap(case_id: str) -> pytest.MarkDecorator:
+    return pytest.mark.skipif(
+        "softcap" in case_id and not _softcap_served_on_cpu(),
+        reason="no backend serves logit soft-capping on CPU (the flex backend does)",
+    )
 
 
 MODELS = list(_configs())
@@ -155,9 +301,9 @@ DTYPES = [torch.float32, torch.bfloat16]
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=["fp32", "bf16"])
-@pytest.mark.parametrize("class_name", MODELS)
-def test_padded_and_packed_match_eager(class_name, dtype):
-    case = _case(class_name, dtype)
+@pytest.mark.parametrize("case_id", [pytest.param(m, marks=_needs_softcap(m)) for m in MODELS])
+def test_padded_and_packed_match_eager(case_id, dtype):
+    case = _case(case_id, dtype)
     inputs = {"input_ids": case.batch.input_ids, "attention_mask": case.batch.attention_mask}
     padded = _max_error(_valid(_run(case.model, NAME, **inputs), case.batch), case.eager)
     packed = _max_error(_packed(case.model, case.cfg, case.batch), case.eager)
@@ -166,7 +312,7 @@ def test_padded_and_packed_match_eager(class_name, dtype):
 
 
 @pytest.mark.parametrize(
-    ("class_name", "what", "dtype"),
+    ("case_id", "what", "dtype"),
     [
         ("BertModel", "scale", torch.float32),
         ("Qwen3Model", "scale", torch.float32),
@@ -175,8 +321,8 @@ def test_padded_and_packed_match_eager(class_name, dtype):
         ("Qwen3Model", "causal", torch.bfloat16),
     ],
 )
-def test_negative_control_fails_far_above_tolerance(class_name, what, dtype, monkeypatch):
-    case = _case(class_name, dtype)
+def test_negative_control_fails_far_above_tolerance(case_id, what, dtype, monkeypatch):
+    case = _case(case_id, dtype)
     real = abt._spec_for
 
     def change(spec: ab.AttentionSpec) -> ab.AttentionSpec:
@@ -185,6 +331,47 @@ def test_negative_control_fails_far_above_tolerance(class_name, what, dtype, mon
         return dataclasses.replace(spec, causal=not spec.causal)
 
     monkeypatch.setattr(abt, "_spec_for", lambda *a, **k: change(real(*a, **k)))
+    packed = _max_error(_packed(case.model, case.cfg, case.batch), case.eager)
+    assert packed > 10 * case.tolerance, (packed, case.tolerance)
+
+
+WINDOW_CASES = [
+    "MistralModel[window]",
+    "ModernBertModel[local]",
+    "Gemma3TextModel[causal]",
+    "Gemma3TextModel[bidirectional]",
+    "Gemma2Model[window+softcap]",
+]
+
+
+# The window and soft-cap controls run in fp32: the mapping they break does not depend on the
+# dtype, and in bf16 HF's own sdpa-vs-eager spread of these models (up to 1.5e-2) leaves a
+# wrong window or cap (0.3 to 0.4) failing parity, but by less than the 10x asked here.
+@pytest.mark.parametrize(
+    "case_id", [pytest.param(m, marks=_needs_softcap(m)) for m in WINDOW_CASES]
+)
+def test_window_one_key_too_wide_fails_far_above_tolerance(case_id, monkeypatch):
+    """The classic off-by-one: ``sliding_window`` W read as W keys back instead of W - 1."""
+    case = _case(case_id, torch.float32)
+
+    def one_too_wide(sliding_window: int, *, causal: bool) -> ab.SlidingWindow:
+        return ab.SlidingWindow(left=sliding_window, right=0 if causal else sliding_window)
+
+    monkeypatch.setattr(_hf_features, "window_from_hf", one_too_wide)
+    packed = _max_error(_packed(case.model, case.cfg, case.batch), case.eager)
+    assert packed > 10 * case.tolerance, (packed, case.tolerance)
+
+
+@pytest.mark.parametrize("wrong", [None, 2 * GEMMA2_SOFTCAP], ids=["no-cap", "double-cap"])
+@_needs_softcap("softcap")
+def test_wrong_softcap_fails_far_above_tolerance(wrong, monkeypatch):
+    case = _case("Gemma2Model[window+softcap]", torch.float32)
+    real = _hf_features.hf_features
+
+    def recapped(*args: Any, **kwargs: Any) -> dict[str, object]:
+        return {**real(*args, **kwargs), "logit_softcap": wrong}
+
+    monkeypatch.setattr(_hf_features, "hf_features", recapped)
     packed = _max_error(_packed(case.model, case.cfg, case.batch), case.eager)
     assert packed > 10 * case.tolerance, (packed, case.tolerance)
 
@@ -237,33 +424,45 @@ def test_attention_function_against_the_float64_reference(causal, left):
     assert float(out[~valid].abs().max()) == 0.0  # padding rows: zeros
 
 
-def test_one_prepare_per_batch(monkeypatch):
-    model, _ = _build("Qwen3Model", torch.float32)
-    batch = _batch(0)
-    selection = ab.select(
-        abt._spec_for(
-            model.layers[0].self_attn,
-            torch.empty(1, 4, 1, 16),
-            torch.empty(1, 2, 1, 16),
-            16**-0.5,
-            None,
-            {},
-        ),
-        device="cpu",
-    )
-    prepared = []
-    real = type(selection.backend).prepare
+def _count_prepares(monkeypatch: pytest.MonkeyPatch) -> list[ab.FMHAParams]:
+    """Every `prepare` of every registered backend class, recorded."""
+    prepared: list[ab.FMHAParams] = []
+    classes = {type(s.backend) for s in abt.decisions()}
+    for cls in classes:
+        real = cls.prepare
 
-    def counting(self, params):
-        prepared.append(params)
-        return real(self, params)
+        def counting(self: Any, params: ab.FMHAParams, _real: Any = real) -> object:
+            prepared.append(params)
+            return _real(self, params)
 
-    monkeypatch.setattr(type(selection.backend), "prepare", counting)
+        monkeypatch.setattr(cls, "prepare", counting)
+    return prepared
+
+
+@pytest.mark.parametrize(
+    ("case_id", "kinds"),
+    [
+        ("Qwen3Model", 1),
+        ("ModernBertModel[local]", 2),
+        ("Gemma3TextModel[causal]", 2),
+        ("Gemma2Model[window+softcap]", 2),
+    ],
+)
+def test_one_prepare_per_distinct_spec_per_batch(case_id, kinds, monkeypatch):
+    """Four layers alternating local and global: one plan per distinct spec per forward, on
+    padded and packed input, whatever the number of layers."""
+    if "softcap" in case_id and not _softcap_served_on_cpu():
+        pytest.skip("no backend serves logit soft-capping on CPU (the flex backend does)")
+    model, cfg = _build(case_id, torch.float32, layers=4)
+    batch = _batch(cfg.pad_token_id if cfg.pad_token_id is not None else 0)
     inputs = {"input_ids": batch.input_ids, "attention_mask": batch.attention_mask}
+    _run(model, NAME, **inputs)  # the decisions exist from here on
+    prepared = _count_prepares(monkeypatch)
     _run(model, NAME, **inputs)
-    _run(model, NAME, **inputs)
-    assert len(prepared) == 2  # one per forward, shared by both layers
-    assert prepared[0].input_lengths == LENGTHS
+    assert len(prepared) == kinds
+    assert all(p.input_lengths == LENGTHS for p in prepared)
+    _packed(model, cfg, batch)
+    assert len(prepared) == 2 * kinds
 
 
 def test_4d_masks_padding_accepted_custom_refused():
@@ -293,34 +492,44 @@ def test_refusals_are_named():
         model(input_ids=ids)
 
 
-def _window_models() -> dict[str, Any]:
-    t = transformers
-    return {
-        "MistralModel": t.MistralConfig(
-            **COMMON, num_key_value_heads=2, sliding_window=4, use_cache=False
-        ),
-        "ModernBertModel": t.ModernBertConfig(
-            **COMMON,
-            pad_token_id=0,
-            bos_token_id=1,
-            eos_token_id=2,
-            cls_token_id=1,
-            sep_token_id=2,
-        ),
-        "Gemma2Model": t.Gemma2Config(
-            **COMMON, num_key_value_heads=2, head_dim=16, use_cache=False
-        ),
-    }
+@pytest.mark.parametrize(
+    ("kwarg", "value"),
+    [("s_aux", torch.zeros(4)), ("position_bias", torch.zeros(1, 4, 3, 3))],
+)
+def test_features_without_a_spec_field_are_refused_by_name(kwarg, value):
+    q = torch.randn(1, 4, 3, 16, generator=torch.Generator().manual_seed(5))
+    with pytest.raises(ab.FeatureNotSupportedError, match=kwarg):
+        abt.attention_forward(_Layer(True), q, q, q, None, **{kwarg: value})
 
 
-@pytest.mark.parametrize("class_name", list(_window_models()))
-def test_window_and_softcap_models_are_refused_by_name(class_name):
-    torch.manual_seed(0)
-    cfg = _window_models()[class_name]
-    model = transformers.AutoModel.from_config(cfg, attn_implementation=NAME).eval()
-    assert type(model).__name__ == class_name
-    with pytest.raises(ab.FeatureNotSupportedError, match="not support yet"), torch.no_grad():
-        model(input_ids=_batch(0).input_ids)
+@pytest.mark.parametrize("window", [0, 2.5, True])
+def test_a_window_that_is_no_positive_int_is_refused(window):
+    q = torch.randn(1, 4, 3, 16, generator=torch.Generator().manual_seed(5))
+    with pytest.raises(ab.IntegrationError, match="sliding_window"):
+        abt.attention_forward(_Layer(True), q, q, q, None, sliding_window=window)
+
+
+@pytest.mark.parametrize(
+    ("sliding_window", "causal", "visible"),
+    [(3, True, (2, 0)), (3, False, (2, 2)), (1, True, (0, 0))],
+)
+def test_window_kwarg_keeps_keys_closer_than_it(sliding_window, causal, visible):
+    """HF's masks keep ``i - W < j`` (causal) and ``|i - j| < W`` (bidirectional)."""
+    window = _hf_features.window_from_hf(sliding_window, causal=causal)
+    assert (window.left, window.right) == visible
+
+
+def test_each_decision_is_logged_with_its_backend(caplog):
+    q = torch.randn(1, 4, 5, 16, generator=torch.Generator().manual_seed(6))
+    with caplog.at_level(logging.INFO, logger="attn_backends"):
+        abt.attention_forward(_Layer(False), q, q, q, None, sliding_window=2, scaling=0.25)
+    served = [s for s in abt.decisions() if s.spec.window == ab.SlidingWindow(1, 1)]
+    assert served
+    assert any(
+        "_Layer on cpu served by " + served[0].name in r.getMessage()
+        and "window=left=1,right=1" in r.getMessage()
+        for r in caplog.records
+    )
 
 
 def test_pack_and_unpack_round_trip():

@@ -15,9 +15,14 @@ Two input forms:
 - **padded**: ``[B, S]`` rows with a 2-D attention mask (right or left padding). The valid
   tokens are gathered per layer with indices found once per batch; padded output rows are 0.
 
+Sliding windows and logit soft-capping become spec fields (`_hf_features` is the mapping);
+a model that alternates local and global layers gets one plan per distinct spec per batch.
 What the library cannot serve is refused with `IntegrationError` (dropout while training,
 ``output_attentions``, a 4-D mask that is not a padding/causal mask, cross-attention or a KV
-cache) or `FeatureNotSupportedError` (sliding window, logit soft-cap, attention sinks).
+cache) or `FeatureNotSupportedError` (attention sinks, a learned position bias).
+
+Each new decision is logged (logger ``attn_backends``, INFO) with the layer class, the spec
+and the backend; `decisions()` returns them all.
 
 transformers is imported only inside `register`: ``import attn_backends`` never needs it.
 """
@@ -26,16 +31,17 @@ from __future__ import annotations
 
 import functools
 import itertools
+import logging
 import threading
 from collections.abc import Mapping, Sequence
 from typing import Any, TypedDict
 
 import torch
 
-from .._errors import FeatureNotSupportedError, IntegrationError
+from .._errors import IntegrationError
 from .._selector import Selection, select
 from .._spec import AttentionSpec
-from . import _layout
+from . import _hf_features, _layout
 from ._batch_cache import cached_layout, new_forward_pass
 from ._layout import BatchLayout
 
@@ -54,6 +60,7 @@ __all__ = [
 
 _selections: dict[tuple[AttentionSpec, torch.device, str | None], Selection] = {}
 _selections_lock = threading.Lock()
+logger = logging.getLogger("attn_backends")
 
 
 def register(name: str = DEFAULT_NAME, *, backend: str | None = None) -> str:
@@ -104,34 +111,6 @@ def padding_mask(
     return attention_mask[:, -kv_length:]
 
 
-def _hf_features(module: torch.nn.Module, kwargs: Mapping[str, Any]) -> dict[str, object]:
-    """`AttentionSpec` fields for the model features beyond plain softmax attention.
-
-    The one place such features are read from a transformers call; none is expressible in the
-    spec yet, so each one that is switched on is refused by name.
-    """
-    wanted = {
-        "sliding_window": kwargs.get("sliding_window"),
-        "softcap": kwargs.get("softcap"),
-        "s_aux (attention sinks)": kwargs.get("s_aux"),
-        "position_bias": kwargs.get("position_bias"),
-    }
-    for feature, value in wanted.items():
-        if value is not None:
-            raise FeatureNotSupportedError(
-                f"{type(module).__name__} asks for {feature}={_short(value)}, which attn_backends "
-                "does not support yet; load this model with attn_implementation='sdpa' or "
-                "'eager' (or a config without it)"
-            )
-    return {}
-
-
-def _short(value: object) -> str:
-    if isinstance(value, torch.Tensor):
-        return f"<tensor {tuple(value.shape)}>"
-    return repr(value)
-
-
 def _refuse_unsupported_call(
     module: torch.nn.Module,
     query: torch.Tensor,
@@ -175,28 +154,45 @@ def _spec_for(
     key: torch.Tensor,
     scaling: float | None,
     is_causal: bool | None,
-    features: Mapping[str, object],
+    kwargs: Mapping[str, Any],
 ) -> AttentionSpec:
-    causal = is_causal if is_causal is not None else getattr(module, "is_causal", True)
+    causal = bool(is_causal if is_causal is not None else getattr(module, "is_causal", True))
+    features = _hf_features.hf_features(module, kwargs, causal=causal)
     return AttentionSpec(
         num_heads=int(query.shape[1]),
         num_kv_heads=int(key.shape[1]),
         head_dim=int(query.shape[-1]),
         dtype=query.dtype,
-        causal=bool(causal),
+        causal=causal,
         rope=None,  # the model rotated q and k before calling attention
         softmax_scale=None if scaling is None else float(scaling),
         **features,  # type: ignore[arg-type]
     )
 
 
-def _selection(spec: AttentionSpec, device: torch.device, backend: str | None) -> Selection:
+def _selection(
+    spec: AttentionSpec, device: torch.device, backend: str | None, module: torch.nn.Module
+) -> Selection:
     key = (spec, device, backend)
     found = _selections.get(key)
     if found is None:
         found = select(spec, device=device, backend=backend)
         with _selections_lock:
             _selections[key] = found
+        logger.info(
+            "attn_backends: %s on %s served by %s (causal=%s, window=%s, logit_softcap=%s, "
+            "%d/%d heads, head_dim %d, %s)",
+            type(module).__name__,
+            device,
+            found.name,
+            spec.causal,
+            spec.window.describe() if spec.window is not None else None,
+            spec.logit_softcap,
+            spec.num_heads,
+            spec.num_kv_heads,
+            spec.head_dim,
+            str(spec.dtype).removeprefix("torch."),
+        )
     return found
 
 
@@ -307,9 +303,8 @@ def attention_forward(
     there). The spec's ``causal`` flag is ``is_causal`` when given, else ``module.is_causal``.
     """
     _refuse_unsupported_call(module, query, key, value, dropout, kwargs)
-    features = _hf_features(module, kwargs)
-    spec = _spec_for(module, query, key, scaling, is_causal, features)
-    selection = _selection(spec, query.device, backend)
+    spec = _spec_for(module, query, key, scaling, is_causal, kwargs)
+    selection = _selection(spec, query.device, backend, module)
     batch, _, seq, head_dim = query.shape
     layout = _batch_layout(attention_mask, batch, seq, query.device, spec, kwargs)
     plan = layout.plans.get(spec)

@@ -19,11 +19,6 @@ same memory layout and no layout change forces a recompilation. flex allocates i
 
 from __future__ import annotations
 
-import functools
-import importlib.util
-import logging
-import warnings
-from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -42,19 +37,21 @@ from attn_backends import (
     PriorityRule,
     QKVViews,
     Reason,
-    ReasonCode,
     hookimpl,
+)
+from attn_backends_builtin._flex_kernel import (
+    CompileState,
+    MaskMod,
+    build_flex_block_mask,
+    document_ids,
+    flex_missing_reasons,
+    run_packed,
 )
 
 if TYPE_CHECKING:
     from torch.nn.attention.flex_attention import BlockMask
 
 API_VERSION = "1.0"
-logger = logging.getLogger("attn_backends")
-
-FLEX_MODULE = "torch.nn.attention.flex_attention"
-"""Imported lazily: it exists from torch 2.5 on, and the package allows older torch."""
-MaskMod = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
 
 EAGER_MASK_LIMIT = 1 << 24
 """Above ``heads * tokens**2`` entries the block mask is built by a compiled kernel instead
@@ -68,16 +65,8 @@ class HeadwisePlan:
     """Sequences at or above the threshold, where the window heads are restricted."""
 
 
-@dataclass
-class CompileState:
-    """The compiled kernel's health in this process; a failed compilation is logged once and
-    the eager kernel serves from then on."""
-
-    failures: int = 0
-    last_error: str | None = None
-
-
 COMPILE_STATE = CompileState()
+"""The compiled kernel's health in this process; after a failure the eager kernel serves."""
 
 
 def headwise_mask(
@@ -107,78 +96,26 @@ def headwise_mask(
 def build_block_mask(
     spec: AttentionSpec, config: HeadwiseConfig, params: FMHAParams
 ) -> HeadwisePlan:
-    from torch.nn.attention.flex_attention import create_block_mask
-
     device = params.device
     lengths = params.input_lengths
     counts = torch.tensor(lengths, dtype=torch.int64)
     windowed = [not config.is_full_for(n) for n in lengths]
-    doc = torch.repeat_interleave(torch.arange(len(lengths), dtype=torch.int32), counts)
     windowed_token = torch.repeat_interleave(torch.tensor(windowed, dtype=torch.bool), counts)
     windowed_head = torch.tensor(
         [h not in config.retrieval_heads for h in range(spec.num_heads)], dtype=torch.bool
     )
     mask = headwise_mask(
-        doc.to(device),
+        document_ids(lengths, device),
         params.positions,
         windowed_token.to(device),
         windowed_head.to(device),
         config.sink_token_num,
         config.swa_token_num,
     )
-    tokens = params.token_q_num
-    compiled = device.type == "cuda" and spec.num_heads * tokens * tokens > EAGER_MASK_LIMIT
-    block_mask = create_block_mask(
-        mask, None, spec.num_heads, tokens, tokens, device=device, _compile=compiled
+    block_mask = build_flex_block_mask(
+        mask, spec.num_heads, params.token_q_num, device, EAGER_MASK_LIMIT
     )
     return HeadwisePlan(block_mask, sum(windowed))
-
-
-@functools.cache
-def _compiled_flex() -> Callable[..., torch.Tensor]:
-    from torch.nn.attention.flex_attention import flex_attention
-
-    return torch.compile(flex_attention)
-
-
-def _eager_flex(
-    q: torch.Tensor,
-    k: torch.Tensor,
-    v: torch.Tensor,
-    block_mask: BlockMask,
-    scale: float,
-    gqa: bool,
-) -> torch.Tensor:
-    from torch.nn.attention.flex_attention import flex_attention
-
-    with warnings.catch_warnings():
-        # Eager flex is the intended path off CUDA; its "not compiled" notice is noise here.
-        warnings.filterwarnings("ignore", message=".*flex_attention.*compile.*")
-        out = flex_attention(q, k, v, block_mask=block_mask, scale=scale, enable_gqa=gqa)
-    if not isinstance(out, torch.Tensor):
-        raise BackendFailure(f"flex_attention returned {type(out).__name__}, not a tensor")
-    return out
-
-
-def run_flex(
-    q: torch.Tensor,
-    k: torch.Tensor,
-    v: torch.Tensor,
-    block_mask: BlockMask,
-    scale: float,
-    gqa: bool,
-) -> torch.Tensor:
-    """flex on ``[1, heads, tokens, D]``: compiled on CUDA, eager elsewhere or after a failed
-    compilation."""
-    if q.device.type != "cuda" or COMPILE_STATE.failures:
-        return _eager_flex(q, k, v, block_mask, scale, gqa)
-    try:
-        return _compiled_flex()(q, k, v, block_mask=block_mask, scale=scale, enable_gqa=gqa)
-    except Exception as exc:  # a compiler failure must not take attention down with it
-        COMPILE_STATE.failures += 1
-        COMPILE_STATE.last_error = f"{type(exc).__name__}: {exc}"
-        logger.warning("headwise: compiled flex_attention failed, running eager: %s", exc)
-        return _eager_flex(q, k, v, block_mask, scale, gqa)
 
 
 class HeadwiseBackend(PrefillBackend):
@@ -200,17 +137,7 @@ class HeadwiseBackend(PrefillBackend):
     )
 
     def extra_reasons(self, spec: AttentionSpec, platform: Platform) -> list[Reason]:
-        if importlib.util.find_spec(FLEX_MODULE) is None:
-            return [
-                Reason(
-                    ReasonCode.LIBRARY_MISSING,
-                    f"needs {FLEX_MODULE} (torch >= 2.5)",
-                    "torch",
-                    torch.__version__,
-                    ">= 2.5",
-                )
-            ]
-        return []
+        return flex_missing_reasons()
 
     def describe(self, platform: Platform) -> dict[str, str]:
         spec = self.bound_spec()
@@ -235,9 +162,16 @@ class HeadwiseBackend(PrefillBackend):
         if not isinstance(kernel, HeadwisePlan):
             raise BackendFailure(f"{self.name} got a plan it did not make: {kernel!r}")
         spec = plan.spec
-        q, k, v = (t.transpose(0, 1).unsqueeze(0) for t in (views.q, views.k, views.v))
-        out = run_flex(q, k, v, kernel.block_mask, spec.scale, spec.is_gqa)
-        return out.squeeze(0).transpose(0, 1)
+        return run_packed(
+            views.q,
+            views.k,
+            views.v,
+            kernel.block_mask,
+            spec.scale,
+            spec.is_gqa,
+            state=COMPILE_STATE,
+            backend=self.name,
+        )
 
 
 @hookimpl

@@ -11,7 +11,13 @@ Models (random weights, no download, bf16, eval, ``use_cache=False``):
 - ``qwen3``: Qwen3-Embedding-0.6B-sized decoder (28 layers, hidden 1024, 16 q / 8 kv heads x
   128, causal, q/k norm, RoPE), 64 texts of 64..2048 tokens. The padded sdpa batch is then
   64 x 2048 tokens (about twice the valid ones) and fits an H200; on a smaller GPU pass
-  ``--texts 32``.
+  ``--texts 32``;
+- ``modernbert``: ModernBERT-base-sized encoder (22 layers, hidden 768, 12 heads x 64; every
+  third layer global, the others local with ``local_attention`` 128), 64 texts of 16..1024
+  tokens: two specs, two plans per batch;
+- ``embeddinggemma``: EmbeddingGemma-sized Gemma 3 (24 layers, hidden 768, 3 q / 1 kv heads x
+  256, ``use_bidirectional_attention``, sliding window 512 as in config.json, five local
+  layers per global one), 64 texts of 16..2048 tokens. Not in the default ``--models``.
 
 Lengths are seeded. For each model the script first checks that the packed outputs match HF
 sdpa's on every valid token (relative error of the per-token hidden states under ``--tol``,
@@ -87,6 +93,51 @@ def _qwen3(tiny: bool) -> Any:
     )
 
 
+def _modernbert(tiny: bool) -> Any:
+    from transformers import ModernBertConfig
+
+    size = (2, 64, 4, 128, 8) if tiny else (22, 768, 12, 1152, 128)
+    every = 2 if tiny else 3  # every n-th layer global, from the first
+    pattern: dict[str, Any] = {"global_attn_every_n_layers": every}
+    return ModernBertConfig(
+        vocab_size=1000,
+        num_hidden_layers=size[0],
+        hidden_size=size[1],
+        num_attention_heads=size[2],
+        intermediate_size=size[3],
+        local_attention=size[4],
+        layer_types=[
+            "full_attention" if i % every == 0 else "sliding_attention" for i in range(size[0])
+        ],
+        **pattern,  # transformers before layer_types reads this
+        max_position_embeddings=8192,
+        pad_token_id=0,
+        bos_token_id=1,
+        eos_token_id=2,
+        cls_token_id=1,
+        sep_token_id=2,
+    )
+
+
+def _embeddinggemma(tiny: bool) -> Any:
+    from transformers import Gemma3TextConfig
+
+    size = (2, 64, 4, 2, 16, 128, 8) if tiny else (24, 768, 3, 1, 256, 1152, 512)
+    return Gemma3TextConfig(
+        vocab_size=1000,
+        num_hidden_layers=size[0],
+        hidden_size=size[1],
+        num_attention_heads=size[2],
+        num_key_value_heads=size[3],
+        head_dim=size[4],
+        intermediate_size=size[5],
+        sliding_window=size[6],
+        use_bidirectional_attention=True,
+        max_position_embeddings=2048,
+        use_cache=False,
+    )
+
+
 def _lengths(low: int, high: int) -> Callable[[int, bool], list[int]]:
     def draw(texts: int, tiny: bool) -> list[int]:
         rng = random.Random(0)
@@ -99,6 +150,10 @@ def _lengths(low: int, high: int) -> Callable[[int, bool], list[int]]:
 WORKLOADS = {
     "xlmr": Workload("xlmr", _xlmr, _lengths(16, 512), lambda cfg: cfg.pad_token_id + 1),
     "qwen3": Workload("qwen3", _qwen3, _lengths(64, 2048), lambda cfg: 0),
+    "modernbert": Workload("modernbert", _modernbert, _lengths(16, 1024), lambda cfg: 0),
+    "embeddinggemma": Workload(
+        "embeddinggemma", _embeddinggemma, _lengths(16, 2048), lambda cfg: 0
+    ),
 }
 
 
@@ -269,7 +324,11 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0] if __doc__ else None)
     parser.add_argument("--out", type=Path, required=True)
     parser.add_argument("--device", default="cuda")
-    parser.add_argument("--models", default="xlmr,qwen3", help="comma-separated: xlmr, qwen3")
+    parser.add_argument(
+        "--models",
+        default="xlmr,qwen3",
+        help="comma-separated: xlmr, qwen3, modernbert, embeddinggemma",
+    )
     parser.add_argument("--texts", type=int, default=64)
     parser.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16", "float32"])
     parser.add_argument("--warmup", type=int, default=3)

@@ -1,0 +1,83 @@
+"""The one place that turns what a transformers layer asks of attention into spec fields.
+
+transformers hands its attention function the layer's features as keyword arguments; the
+model has already applied RoPE, so only the score-side features arrive here:
+
+- ``sliding_window=W`` (an int, or None on global layers). Every family that passes it means
+  "distance below W": HF's masks keep key ``j`` for query ``i`` when ``i - W < j`` (Mistral,
+  Qwen2, Gemma 2, Gemma 3 causal), ``|i - j| < W`` (Gemma 3 with
+  ``use_bidirectional_attention``, whose config stores ``S // 2 + 1`` for config.json's S)
+  and ``|i - j| <= local_attention // 2`` with ``W = local_attention // 2 + 1`` (ModernBERT).
+  HF's flash path reads it the same way, as ``window_size=(W - 1, W - 1)`` with causality on
+  top. The kwarg alone does not say which side is open: the layer's causal flag does, so a
+  causal layer gets ``left = W - 1, right = 0`` and a bidirectional one ``W - 1`` both ways.
+- ``softcap=C`` (Gemma 2's ``attn_logit_softcapping``): ``C * tanh(scaled scores / C)``, which
+  is the spec's ``logit_softcap``.
+- ``s_aux`` (attention sinks) and ``position_bias`` (a learned bias tensor) have no spec field
+  and are refused by name.
+
+ALiBi never arrives here: BLOOM and MPT compute their attention inside their own modules
+without transformers' attention-function registry, so no registered function sees them.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+import torch
+
+from .._errors import FeatureNotSupportedError, IntegrationError
+from .._features import SlidingWindow
+
+__all__ = ["hf_features", "window_from_hf"]
+
+_REFUSED = {
+    "s_aux": "s_aux (attention sinks)",
+    "position_bias": "position_bias (a learned attention bias)",
+}
+
+
+def window_from_hf(sliding_window: int, *, causal: bool) -> SlidingWindow:
+    """The spec window for transformers' ``sliding_window`` kwarg on a causal or
+    bidirectional layer: keys closer than ``sliding_window`` positions stay visible."""
+    reach = sliding_window - 1
+    return SlidingWindow(left=reach, right=0 if causal else reach)
+
+
+def hf_features(
+    module: torch.nn.Module, kwargs: Mapping[str, Any], *, causal: bool
+) -> dict[str, object]:
+    """`AttentionSpec` fields (``window``, ``logit_softcap``) for one attention call of
+    ``module``; features without a spec field are refused with `FeatureNotSupportedError`."""
+    name = type(module).__name__
+    for key, feature in _REFUSED.items():
+        if kwargs.get(key) is not None:
+            raise FeatureNotSupportedError(
+                f"{name} asks for {feature}={_short(kwargs[key])}, which attn_backends does "
+                "not support yet; load this model with attn_implementation='sdpa' or 'eager'"
+            )
+    fields: dict[str, object] = {}
+    window = kwargs.get("sliding_window")
+    if window is not None:
+        if isinstance(window, bool) or not isinstance(window, int) or window < 1:
+            raise IntegrationError(
+                f"{name} passed sliding_window={_short(window)}; attn_backends reads it as "
+                "transformers does, a positive int (keys closer than it stay visible)"
+            )
+        fields["window"] = window_from_hf(window, causal=causal)
+    cap = kwargs.get("softcap")
+    if cap is not None:
+        if isinstance(cap, bool) or not isinstance(cap, (int, float)):
+            raise IntegrationError(
+                f"{name} passed softcap={_short(cap)}; expected a positive float, the "
+                "config's attn_logit_softcapping"
+            )
+        fields["logit_softcap"] = float(cap)
+    return fields
+
+
+def _short(value: object) -> str:
+    if isinstance(value, torch.Tensor):
+        return f"<tensor {tuple(value.shape)}>"
+    return repr(value)
