@@ -162,6 +162,9 @@ def _spec_line(spec: AttentionSpec) -> str:
     if spec.rope is not None:
         style = "interleaved" if spec.rope.interleaved else "rotate-half"
         rope = f"theta={spec.rope.theta:g} {style} rotary_dim={spec.rotary_dim}"
+        if spec.rope.scaling is not None and not spec.rope.is_plain:
+            rope += f" scaling={spec.rope.scaling.rope_type}"
+    window = spec.window
     return (
         f"heads {spec.num_heads}/{spec.num_kv_heads} x {spec.head_dim}, "
         f"{dtype_name(spec.dtype)}, "
@@ -169,6 +172,9 @@ def _spec_line(spec: AttentionSpec) -> str:
         f"logn {spec.logn_base if spec.use_logn_attn else 'off'}"
         + (", MLA" if spec.use_mla else "")
         + (", headwise" if spec.headwise is not None else "")
+        + (f", window {window.left}/{window.right}" if window is not None else "")
+        + (f", softcap {spec.logit_softcap:g}" if spec.logit_softcap is not None else "")
+        + (", alibi" if spec.alibi is not None else "")
     )
 
 

@@ -151,7 +151,7 @@ def test_forward_before_update_and_wrong_buffers_are_refused(fake):
     assert backend.forward(qkv.clone(), eager).shape == (4, SPEC.q_width)
 
 
-@pytest.mark.parametrize("name", ["torch-sdpa", "trt", "headwise"])
+@pytest.mark.parametrize("name", ["torch-sdpa", "trt", "headwise", "flex"])
 def test_backends_without_graph_mode_are_refused_with_a_reason(fake, name):
     spec = ab.AttentionSpec(4, 4, 64, torch.float16, causal=True)
     if name == "headwise":

@@ -28,21 +28,6 @@ import attn_backends as ab  # noqa: E402
 from attn_backends.integrations import _hf_features  # noqa: E402
 from attn_backends.integrations import transformers as abt  # noqa: E402
 
-
-def _flex_from_this_checkout() -> None:
-    """Serve soft-capping on CPU with the flex plugin of this checkout when the installed
-    entry points predate it (an editable install from before flex existed)."""
-    registry = ab.get_registry()
-    if registry.get("flex") is not None:
-        return
-    try:
-        from attn_backends_builtin import flex
-    except ImportError:
-        return
-    registry.register_plugin(flex, name="flex")
-
-
-_flex_from_this_checkout()
 NAME = abt.register()
 LENGTHS = (5, 11, 1, 8)
 VOCAB = 120
@@ -273,35 +258,12 @@ def _sdpa_spread(model: Any, batch: Batch) -> float:
         model.set_attn_implementation("eager")
 
 
-def _softcap_served_on_cpu() -> bool:
-    spec = ab.AttentionSpec(
-        num_heads=4,
-        num_kv_heads=2,
-        head_dim=16,
-        dtype=torch.float32,
-        causal=True,
-        logit_softcap=2.0,
-    )
-    try:
-        ab.select(spec, device="cpu")
-    except ab.NoBackendError:
-        return False
-    return True
-
-
-def _needs_softcap(case_id: str) -> pytest.MarkDecorator:
-    return pytest.mark.skipif(
-        "softcap" in case_id and not _softcap_served_on_cpu(),
-        reason="no backend serves logit soft-capping on CPU (the flex backend does)",
-    )
-
-
 MODELS = list(_configs())
 DTYPES = [torch.float32, torch.bfloat16]
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=["fp32", "bf16"])
-@pytest.mark.parametrize("case_id", [pytest.param(m, marks=_needs_softcap(m)) for m in MODELS])
+@pytest.mark.parametrize("case_id", MODELS)
 def test_padded_and_packed_match_eager(case_id, dtype):
     case = _case(case_id, dtype)
     inputs = {"input_ids": case.batch.input_ids, "attention_mask": case.batch.attention_mask}
@@ -347,9 +309,7 @@ WINDOW_CASES = [
 # The window and soft-cap controls run in fp32: the mapping they break does not depend on the
 # dtype, and in bf16 HF's own sdpa-vs-eager spread of these models (up to 1.5e-2) leaves a
 # wrong window or cap (0.3 to 0.4) failing parity, but by less than the 10x asked here.
-@pytest.mark.parametrize(
-    "case_id", [pytest.param(m, marks=_needs_softcap(m)) for m in WINDOW_CASES]
-)
+@pytest.mark.parametrize("case_id", WINDOW_CASES)
 def test_window_one_key_too_wide_fails_far_above_tolerance(case_id, monkeypatch):
     """The classic off-by-one: ``sliding_window`` W read as W keys back instead of W - 1."""
     case = _case(case_id, torch.float32)
@@ -363,7 +323,6 @@ def test_window_one_key_too_wide_fails_far_above_tolerance(case_id, monkeypatch)
 
 
 @pytest.mark.parametrize("wrong", [None, 2 * GEMMA2_SOFTCAP], ids=["no-cap", "double-cap"])
-@_needs_softcap("softcap")
 def test_wrong_softcap_fails_far_above_tolerance(wrong, monkeypatch):
     case = _case("Gemma2Model[window+softcap]", torch.float32)
     real = _hf_features.hf_features
@@ -451,8 +410,6 @@ def _count_prepares(monkeypatch: pytest.MonkeyPatch) -> list[ab.FMHAParams]:
 def test_one_prepare_per_distinct_spec_per_batch(case_id, kinds, monkeypatch):
     """Four layers alternating local and global: one plan per distinct spec per forward, on
     padded and packed input, whatever the number of layers."""
-    if "softcap" in case_id and not _softcap_served_on_cpu():
-        pytest.skip("no backend serves logit soft-capping on CPU (the flex backend does)")
     model, cfg = _build(case_id, torch.float32, layers=4)
     batch = _batch(cfg.pad_token_id if cfg.pad_token_id is not None else 0)
     inputs = {"input_ids": batch.input_ids, "attention_mask": batch.attention_mask}
