@@ -121,8 +121,10 @@ def test_a_plan_refuses_a_buffer_of_other_rows(planned, pad, given_rows, match):
     assert torch.equal(qkv, pristine)
 
 
-def test_buffer_checks_run_once_per_signature_and_again_for_a_changed_buffer(monkeypatch):
-    calls = []
+@pytest.fixture
+def checked_buffers(monkeypatch) -> list[int]:
+    """Addresses of the buffers `check_packed` examined, in order."""
+    calls: list[int] = []
     real = _contract.check_packed
 
     def counting(packed, spec, params):
@@ -130,6 +132,11 @@ def test_buffer_checks_run_once_per_signature_and_again_for_a_changed_buffer(mon
         return real(packed, spec, params)
 
     monkeypatch.setattr(_contract, "check_packed", counting)
+    return calls
+
+
+def test_buffer_checks_run_once_per_signature_and_again_for_a_changed_buffer(checked_buffers):
+    calls = checked_buffers
     params = params_of()
     backend = TorchSdpaBackend(PLAIN)
     plan = backend.prepare(params)
@@ -156,17 +163,10 @@ def test_buffer_checks_run_once_per_signature_and_again_for_a_changed_buffer(mon
     assert len(calls) == 5
 
 
-def test_a_layer_loop_rotating_through_buffers_is_checked_once_per_buffer(monkeypatch):
+def test_a_layer_loop_rotating_through_buffers_is_checked_once_per_buffer(checked_buffers):
     """An engine's caching allocator hands each layer one of a few blocks in turn: every one
     of them is remembered, and one past `MEMO_SLOTS` pushes out the oldest."""
-    calls = []
-    real = _contract.check_packed
-
-    def counting(packed, spec, params):
-        calls.append(packed.data_ptr())
-        return real(packed, spec, params)
-
-    monkeypatch.setattr(_contract, "check_packed", counting)
+    calls = checked_buffers
     params = params_of()
     backend = TorchSdpaBackend(PLAIN)
     plan = backend.prepare(params)
