@@ -128,8 +128,8 @@ class BufferMemo:
 
 
 MEMO_SLOTS = 32
-"""Signatures remembered per plan: more than the buffers a layer loop rotates through (two or
-three in the engines measured); a miss costs one full check, never correctness."""
+"""Signatures remembered per plan: well above the handful of buffers a layer loop rotates
+through; a miss costs one full check, never correctness."""
 
 
 @dataclass(frozen=True, eq=False)
