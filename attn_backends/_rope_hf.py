@@ -51,7 +51,12 @@ def rope_spec_from_hf(
 
 
 def rope_spec_from_hf_config(config: object) -> RopeSpec:
-    """`rope_spec_from_hf` with every value read from a transformers ``PretrainedConfig``."""
+    """`rope_spec_from_hf` with every value read from a transformers ``PretrainedConfig``.
+
+    The config is an untyped boundary: which of these attributes exist depends on the model
+    family and the transformers release (``rope_parameters`` in 5.x, ``rope_scaling`` before),
+    so each is read with a None default and validated by `rope_spec_from_hf`.
+    """
     params = getattr(config, "rope_parameters", None) or getattr(config, "rope_scaling", None)
     head_dim = getattr(config, "head_dim", None)
     if not head_dim:

@@ -156,6 +156,8 @@ def _spec_for(
     is_causal: bool | None,
     kwargs: Mapping[str, Any],
 ) -> AttentionSpec:
+    # transformers' own rule for its attention modules (untyped, not all define ``is_causal``):
+    # the call's flag, else the module's, else causal, as its sdpa path reads it.
     causal = bool(is_causal if is_causal is not None else getattr(module, "is_causal", True))
     features = _hf_features.hf_features(module, kwargs, causal=causal)
     return AttentionSpec(

@@ -159,13 +159,11 @@ SIGNATURES: dict[str, Callable[..., Any]] = {
 
 
 def _appended(stub: Callable[..., Any], after: str, *names: tuple[str, Any]) -> Callable[..., Any]:
-    """A stub whose parameter list is ``stub``'s with keyword parameters ``(name, default)``
-    inserted after ``after``."""
+    """A stub whose parameter list is ``stub``'s with parameters ``(name, default)`` inserted
+    after ``after``, of the same kind as it."""
     params = list(inspect.signature(stub).parameters.values())
     at = [p.name for p in params].index(after) + 1
-    extra = [inspect.Parameter(n, inspect.Parameter.KEYWORD_ONLY, default=d) for n, d in names]
-    kind = params[at - 1].kind
-    extra = [p.replace(kind=kind) for p in extra]
+    extra = [inspect.Parameter(n, params[at - 1].kind, default=d) for n, d in names]
 
     def newer(*args: Any, **kwargs: Any) -> Any: ...
 
