@@ -82,15 +82,15 @@ def estimate_build_seconds(modules: Sequence[KernelModule], jobs: int) -> float 
     return max(spread, *(m.longest_object_seconds or 0.0 for m in missing))
 
 
-def plan_lines(modules: Sequence[KernelModule], jobs: int) -> list[str]:
-    """What warm-up says before it starts: the cache location(s), and what is left to build."""
+def plan_lines(modules: Sequence[KernelModule], jobs: int, estimate: float | None) -> list[str]:
+    """What warm-up says before it starts: the cache location(s), what is left to build and
+    ``estimate`` (`estimate_build_seconds` of the same modules and jobs)."""
     if not modules:
         return ["no compiled kernel modules to build (the selected backends need none)"]
     lines = [f"kernel cache: {d}" for d in sorted({m.cache_dir for m in modules if m.cache_dir})]
     built = sum(1 for m in modules if m.cached is True)
     unknown = sum(1 for m in modules if m.cached is None)
     todo = len(modules) - built - unknown
-    estimate = estimate_build_seconds(modules, jobs)
     parts = [f"{built} built", f"{todo} to build"] + ([f"{unknown} unknown"] if unknown else [])
     line = f"kernel modules: {len(modules)} ({', '.join(parts)})"
     if todo and estimate is not None:
@@ -165,8 +165,8 @@ def warmup(
     tick_seconds: float = 15.0,
 ) -> WarmupReport:
     """Build or load every kernel the given specs use on ``device``; one line per step to
-    ``progress`` as it finishes. Raises the first step's error (a `NoBackendError` names every
-    candidate's reasons) after the other steps have finished. ``platform`` overrides the
+    ``progress`` as it finishes. Raises the error of the first step to fail (a `NoBackendError`
+    names every candidate's reasons) after the other steps have finished. ``platform`` overrides the
     detected one (tests run a GPU backend's path over a fake library this way). Before the
     steps it reports the cache location and the modules left to build with an estimate; while
     they run, a progress line every ``tick_seconds``."""
@@ -187,21 +187,23 @@ def warmup(
             for module in chosen.backend.kernel_modules(spec, dev):
                 modules.setdefault(module.name, module)
     found = tuple(modules.values())
-    estimate = estimate_build_seconds(found, build_jobs())
+    compile_jobs = build_jobs()
+    estimate = estimate_build_seconds(found, compile_jobs)
     say = progress if progress is not None else (lambda line: None)
-    for line in plan_lines(found, build_jobs()):
+    for line in plan_lines(found, compile_jobs, estimate):
         say(line)
     start = time.perf_counter()
     steps: list[WarmupStep] = []
     with ThreadPoolExecutor(max_workers=max(1, min(max_workers, len(jobs)))) as pool:
-        pending: set[Future[WarmupStep]] = {
+        submitted = [
             pool.submit(_run, name, spec, dev, lengths, platform) for name, spec, lengths in jobs
-        }
-        order = list(pending)
+        ]
+        pending: set[Future[WarmupStep]] = set(submitted)
         failed: BaseException | None = None
         while pending:
             finished, pending = wait(pending, timeout=tick_seconds, return_when=FIRST_COMPLETED)
-            for future in sorted(finished, key=order.index):
+            # the order of submission among those done at once, so "first error" means it
+            for future in sorted(finished, key=submitted.index):
                 if future.exception() is not None:
                     failed = failed or future.exception()
                     continue

@@ -76,7 +76,7 @@ def _module(
 
 def test_the_plan_says_where_the_cache_is_and_what_is_left_to_build():
     modules = [_module("a", True), _module("b", False, 600.0), _module("c", False, 200.0)]
-    lines = _warmup.plan_lines(modules, jobs=8)
+    lines = _warmup.plan_lines(modules, 8, _warmup.estimate_build_seconds(modules, 8))
     assert lines[0] == "kernel cache: /cache/jit"
     assert lines[1] == "kernel modules: 3 (1 built, 2 to build); about 100 s with 8 compile jobs"
     assert lines[2:] == ["  built     a", "  to build  b", "  to build  c"]
@@ -85,7 +85,7 @@ def test_the_plan_says_where_the_cache_is_and_what_is_left_to_build():
     assert _warmup.estimate_build_seconds([_module("x", None, None)], 8) is None
     slow_object = [_module("fa3", False, 720.0, longest=95.0)]
     assert _warmup.estimate_build_seconds(slow_object, 16) == 95.0, "the slowest object bounds it"
-    assert _warmup.plan_lines([], jobs=8) == [
+    assert _warmup.plan_lines([], 8, 0.0) == [
         "no compiled kernel modules to build (the selected backends need none)"
     ]
 
@@ -141,3 +141,19 @@ def test_a_jit_module_announces_its_first_use_once(fake, caplog):
     lines = [r.getMessage() for r in caplog.records if "first use of JIT module" in r.getMessage()]
     assert len(lines) == 1
     assert "fa3 bfloat16 d64 posenc=NONE" in lines[0] and "attn-backends warmup" in lines[0]
+
+
+def test_a_failing_step_is_raised_after_the_others_finish(monkeypatch):
+    real = _warmup._run
+
+    def flaky(name, *args, **kwargs):
+        if name == "short":
+            raise ab.BackendFailure("short: kernel build failed")
+        time.sleep(0.05)
+        return real(name, *args, **kwargs)
+
+    monkeypatch.setattr(_warmup, "_run", flaky)
+    lines: list[str] = []
+    with pytest.raises(ab.BackendFailure, match="short: kernel build failed"):
+        ab.warmup(["bge-m3", "short"], device="cpu", progress=lines.append)
+    assert any(line.startswith("[1/2] bge-m3: torch-sdpa") for line in lines), lines
