@@ -36,9 +36,10 @@ LONGEST_OBJECT_SECONDS: dict[JitKind, float] = {
     "fmha_v2": 20.0,
     "rope": 40.0,
 }
-"""Rough wall seconds of a module's slowest object on an H200 machine's cores: a fa3 module
-built alone with 16 jobs took 95 s, a fa2 module 34 s (flashinfer 0.7.4, 2026-12-01); a
-module is never done sooner, however many jobs run."""
+"""Rough wall seconds of a module's slowest object on an H200 machine's cores; a module is
+never done sooner, however many jobs run. Measured: a fa3 module built alone with 16 jobs took
+95 s, a fa2 module 34 s (flashinfer 0.7.4, 2026-12-01). Not measured per object: RoPE is its
+whole first build (about 40 s), FMHA v2 a guess from its objects (about 16 CPU-seconds each)."""
 
 _DTYPES = {"float16": torch.float16, "bfloat16": torch.bfloat16}
 
