@@ -4,18 +4,18 @@
 #     . scripts/gpu/setup.sh && python3 scripts/gpu/prebuild.py   # once per machine
 #     scripts/gpu/conformance.sh OUT_DIR [RUN...]
 #
-# RUN names default to every run: headwise torch-sdpa flashinfer flashinfer-rope trt gpu-tests.
-# Runs `pytest --attn-backend NAME` on cuda for torch-sdpa, flashinfer, flashinfer-rope, trt and
-# headwise, then the GPU tests of tests/gpu/test_nvidia_gpu.py and the check of the fake
+# RUN names default to every run: headwise flex torch-sdpa flashinfer flashinfer-rope trt gpu-tests.
+# Runs `pytest --attn-backend NAME` on cuda for torch-sdpa, flashinfer, flashinfer-rope, trt,
+# headwise and flex, then the GPU tests of tests/gpu/test_nvidia_gpu.py and the check of the fake
 # flashinfer's signatures against the installed one. Writes OUT_DIR/<run>.xml, <run>.log and
 # OUT_DIR/summary.txt (passed / skipped with reasons / failed per run) and prints the summary.
 # RUN_TIMEOUT=S stops any single run after S seconds (rc=124 in the summary; default: none).
-# The flashinfer runs go one after another (they share flashinfer's JIT cache); headwise, which
-# spends its time compiling FlexAttention kernels, runs beside them.
+# The flashinfer runs go one after another (they share flashinfer's JIT cache); headwise and flex,
+# which spend their time compiling FlexAttention kernels, run beside them, one after the other.
 set -u
 out=${1:?usage: scripts/gpu/conformance.sh OUT_DIR [RUN...]}
 shift
-runs=" ${*:-headwise torch-sdpa flashinfer flashinfer-rope trt gpu-tests} "
+runs=" ${*:-headwise flex torch-sdpa flashinfer flashinfer-rope trt gpu-tests} "
 wanted() { [[ $runs == *" $1 "* ]]; }
 mkdir -p "$out"
 
@@ -30,11 +30,14 @@ run() {
 }
 
 touch "$out/times.txt"
-headwise_pid=
-if wanted headwise; then
-    run headwise --attn-backend headwise --attn-device cuda &
-    headwise_pid=$!
-fi
+flex_runs() {
+    local name
+    for name in headwise flex; do
+        wanted "$name" && run "$name" --attn-backend "$name" --attn-device cuda
+    done
+}
+flex_runs &
+flex_pid=$!
 for backend in torch-sdpa flashinfer flashinfer-rope trt; do
     wanted "$backend" && run "$backend" --attn-backend "$backend" --attn-device cuda
 done
@@ -42,7 +45,7 @@ if wanted gpu-tests; then
     run gpu-tests tests/gpu/test_nvidia_gpu.py tests/gpu/test_rope_kernel.py \
         "tests/test_nvidia_backends.py::test_fake_signatures_match_real_flashinfer"
 fi
-[ -n "$headwise_pid" ] && wait "$headwise_pid"
+wait "$flex_pid"
 
 python3 - "$out" <<'EOF' | tee "$out/summary.txt"
 import collections

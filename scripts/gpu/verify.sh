@@ -10,10 +10,16 @@
 # seconds (default 540) for it to finish,
 # prints its progress and packs build/gpu-run into OUT_DIR/run.tgz. Call it again, on the same
 # machine, until it prints "pipeline: finished". A finished pipeline is not started again; remove
-# build/gpu-run to start over.
+# build/gpu-run to start over. PIPELINE=features runs scripts/gpu/features_pipeline.sh (the model
+# features and whole models) instead of scripts/gpu/pipeline.sh.
 set -u
 out=${1:?usage: scripts/gpu/verify.sh OUT_DIR [WAIT_S]}
 wait_s=${2:-540}
+case ${PIPELINE:-full} in
+    full) script=scripts/gpu/pipeline.sh ;;
+    features) script=scripts/gpu/features_pipeline.sh ;;
+    *) echo "verify.sh: PIPELINE must be full or features, not '$PIPELINE'" >&2; exit 2 ;;
+esac
 run_dir=build/gpu-run
 mkdir -p "$out" "$run_dir"
 pack() { tar czf "$out/run.tgz" "$run_dir"; }
@@ -31,7 +37,7 @@ else
     rm -f "$run_dir/pid"
     # The pipeline writes its own pid: under job control `setsid` forks, and `$!` would be
     # the pid of a process that has already exited (a later call would start a second run).
-    (cd "$tree" && setsid nohup bash scripts/gpu/pipeline.sh "$abs_run" \
+    (cd "$tree" && setsid nohup bash "$script" "$abs_run" \
         >"$abs_run/pipeline.log" 2>&1 </dev/null &)
     for _ in $(seq 50); do [ -s "$run_dir/pid" ] && break; sleep 0.1; done
     echo "pipeline: started (pid $(cat "$run_dir/pid" 2>/dev/null || echo unknown))"
