@@ -24,6 +24,11 @@ def kernel_rope_fusable(spec: AttentionSpec) -> bool:
     return spec.rope_fusable and spec.rope is not None and spec.rope.is_plain
 
 
+def spec_masked(spec: AttentionSpec) -> bool:
+    """The spec restricts or biases scores beyond causality: a sliding window or ALiBi."""
+    return spec.window is not None or spec.alibi is not None
+
+
 @dataclass(frozen=True)
 class PriorityRule:
     """How eagerly a backend wants a class of requests on a platform; the first match wins.
@@ -42,6 +47,10 @@ class PriorityRule:
     head_dims: frozenset[int] | None = None
     rope_fusable: bool | None = None
     """Match only specs whose RoPE a fused-RoPE kernel computes (True) or the others (False)."""
+    masked: bool | None = None
+    """Match only specs with a sliding window or ALiBi (True) or the others (False): kernels
+    that evaluate such masks and biases per block and those that materialise them rank
+    differently."""
     note: str = ""
 
     def matches(self, spec: AttentionSpec, platform: Platform) -> bool:
@@ -60,6 +69,8 @@ class PriorityRule:
             return False
         if self.rope_fusable is not None and kernel_rope_fusable(spec) != self.rope_fusable:
             return False
+        if self.masked is not None and spec_masked(spec) != self.masked:
+            return False
         return self.head_dims is None or spec.head_dim in self.head_dims
 
     def describe(self) -> str:
@@ -76,6 +87,8 @@ class PriorityRule:
             parts.append("d=" + "|".join(str(d) for d in sorted(self.head_dims)))
         if self.rope_fusable is not None:
             parts.append("fusable RoPE" if self.rope_fusable else "no fusable RoPE")
+        if self.masked is not None:
+            parts.append("window or ALiBi" if self.masked else "no window, no ALiBi")
         text = " ".join(parts)
         return f"{text} ({self.note})" if self.note else text
 

@@ -86,6 +86,7 @@ def rule_problems(rule: object, where: str) -> list[str]:
         ("gqa", rule.gqa),
         ("causal", rule.causal),
         ("rope_fusable", rule.rope_fusable),
+        ("masked", rule.masked),
     )
     problems += [
         f"{where}.{flag} must be True, False or None, got {value!r}"

@@ -1,4 +1,5 @@
-"""``flex``: where the selector picks it (only where the faster backends refuse the spec), and
+"""``flex``: where the selector picks it (windows and ALiBi that flashinfer refuses on CUDA,
+soft-capping that the others refuse everywhere), and
 its output against the float64 reference for every feature alone and together, causal and
 bidirectional, GQA and MHA, on a varlen batch with single-token sequences, padding rows and
 strided rows."""
@@ -74,25 +75,38 @@ def test_selector_keeps_torch_sdpa_where_it_serves_the_spec_on_cpu(registry, kw)
     ("spec", "winner"),
     [
         (spec_of(True, dtype=torch.bfloat16, logit_softcap=30.0), "flashinfer"),
-        (spec_of(False, dtype=torch.bfloat16, window=ab.SlidingWindow(4, 4)), "torch-sdpa"),
-        (spec_of(False, dtype=torch.bfloat16, alibi=ab.AlibiSpec()), "torch-sdpa"),
+        (spec_of(True, dtype=torch.bfloat16, window=ab.SlidingWindow.causal(8)), "flashinfer"),
+        (spec_of(True, dtype=torch.bfloat16, alibi=ab.AlibiSpec()), "flashinfer"),
+        (spec_of(False, dtype=torch.bfloat16, window=ab.SlidingWindow(4, 4)), "flex"),
+        (spec_of(False, dtype=torch.bfloat16, alibi=ab.AlibiSpec()), "flex"),
+        (spec_of(True, dtype=torch.float32, window=ab.SlidingWindow.causal(8)), "flex"),
         (
             spec_of(False, dtype=torch.bfloat16, window=ab.SlidingWindow(4, 4), logit_softcap=9.0),
             "flex",
         ),
         (spec_of(True, dtype=torch.float32, logit_softcap=30.0), "flex"),
         (spec_of(True, dtype=torch.bfloat16, alibi=ab.AlibiSpec(), logit_softcap=9.0), "flex"),
+        (spec_of(True, dtype=torch.bfloat16), "flashinfer"),
+        (spec_of(True, dtype=torch.float32), "torch-sdpa"),
     ],
     ids=[
         "softcap-flashinfer",
-        "window-right-sdpa",
-        "alibi-bidir-sdpa",
+        "causal-window-flashinfer",
+        "causal-alibi-flashinfer",
+        "window-right-flex",
+        "alibi-bidir-flex",
+        "fp32-window-flex",
         "window-right-softcap",
         "fp32-softcap",
         "alibi-softcap",
+        "plain-flashinfer",
+        "fp32-plain-sdpa",
     ],
 )
 def test_selector_on_cuda_dry_run(registry, spec, winner):
+    """flashinfer wherever it serves; among the others, flex for windows and ALiBi (measured:
+    it evaluates them per block, torch-sdpa materialises a mask per length), torch-sdpa for
+    plain specs."""
     assert ab.select(spec, platform=SM90, registry=registry).name == winner
 
 

@@ -386,6 +386,11 @@ DECLARATION_FAULTS: dict[str, tuple[object, object, str]] = {
         _tampered(_EAGER, priority=(_rule(head_dims=64),)),
         "capabilities.priority[0].head_dims must be a frozenset of int or None, got int",
     ),
+    "rule-masked-str": (
+        "vendor",
+        _tampered(_EAGER, priority=(_rule(masked="yes"),)),
+        "capabilities.priority[0].masked must be True, False or None, got 'yes'",
+    ),
     "rule-not-a-rule": (
         "vendor",
         _tampered(_EAGER, priority=({"platform": "cpu", "score": 5},)),

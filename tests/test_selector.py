@@ -224,6 +224,22 @@ def test_priority_rule_can_match_on_fusable_rope():
     assert "fusable RoPE" in rule.describe()
 
 
+def test_priority_rule_can_match_on_windows_and_alibi():
+    masked = ab.PriorityRule("cuda", 50, masked=True)
+    plain = ab.PriorityRule("cuda", 50, masked=False)
+    cuda = ab.Platform(kind="cuda", arch="sm90")
+    spec = ab.AttentionSpec(8, 2, 64, torch.float16, False)
+    for feature in ({"window": ab.SlidingWindow(4, 4)}, {"alibi": ab.AlibiSpec()}):
+        featured = dataclasses.replace(spec, **feature)
+        assert masked.matches(featured, cuda) and not plain.matches(featured, cuda)
+    capped = dataclasses.replace(spec, logit_softcap=30.0)
+    assert plain.matches(capped, cuda) and not masked.matches(capped, cuda), (
+        "a soft-cap neither restricts nor biases by position"
+    )
+    assert "window or ALiBi" in masked.describe()
+    assert "no window, no ALiBi" in plain.describe()
+
+
 @pytest.mark.parametrize(
     ("flag", "value"),
     [

@@ -13,8 +13,11 @@ the soft-cap and then the ALiBi bias. flex multiplies ``q @ k^T`` by ``scale`` b
 score function, so the score function sees the scaled score, exactly the order of the spec:
 scale, soft-cap, bias, mask, softmax. Compiled on CUDA, eager on CPU (`_flex_kernel`).
 
-Priority is policy, not measurement (none exists for this backend): below torch-sdpa and
-flashinfer on every platform, so it is picked only when those refuse the spec.
+Priority: on CUDA above torch-sdpa for windowed and ALiBi specs, measured on an H200
+(`scripts/gpu/feature_backends.py`, docs/hardware-verification.md: 5-11x torch-sdpa's speed,
+which builds a mask per sequence length and runs SDPA per length), below flashinfer, which
+serves the causal forms. Elsewhere policy, not measured: below torch-sdpa on plain specs and on
+CPU, where flex runs eagerly and materialises the scores.
 """
 
 from __future__ import annotations
@@ -134,11 +137,20 @@ class FlexBackend(PrefillBackend):
             ),
             PriorityRule(
                 "cuda",
+                50,
+                min_sm=80,
+                masked=True,
+                note="measured on H200 (scripts/gpu/feature_backends.py): 5-11x torch-sdpa's "
+                "speed on windowed and ALiBi specs; below flashinfer (100), which serves "
+                "causal windows and causal ALiBi",
+            ),
+            PriorityRule(
+                "cuda",
                 -10,
                 min_sm=80,
-                note="policy, not measured: below flashinfer (100) and torch-sdpa (0), so it "
-                "serves only soft-capped specs flashinfer refuses (float32, a right-reaching "
-                "window, ALiBi alongside, no flashinfer installed)",
+                note="policy, not measured: below flashinfer (100) and torch-sdpa (0) on "
+                "plain specs; serves the soft-capped ones flashinfer refuses (float32, no "
+                "flashinfer installed)",
             ),
         ),
     )
