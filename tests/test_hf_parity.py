@@ -29,6 +29,7 @@ from attn_backends.integrations import _hf_features  # noqa: E402
 from attn_backends.integrations import transformers as abt  # noqa: E402
 
 NAME = abt.register()
+FLEX_NAME = abt.register("attn_backends_flex", backend="flex")
 LENGTHS = (5, 11, 1, 8)
 VOCAB = 120
 SPREAD_FACTOR = 3.0
@@ -320,6 +321,29 @@ def test_window_one_key_too_wide_fails_far_above_tolerance(case_id, monkeypatch)
     monkeypatch.setattr(_hf_features, "window_from_hf", one_too_wide)
     packed = _max_error(_packed(case.model, case.cfg, case.batch), case.eager)
     assert packed > 10 * case.tolerance, (packed, case.tolerance)
+
+
+@pytest.mark.parametrize("case_id", WINDOW_CASES)
+def test_window_models_through_flex_match_eager(case_id, monkeypatch):
+    """Every layer on ``flex`` (first for windows on CUDA, where flashinfer refuses them; on
+    CPU torch-sdpa serves them by default): the same parity, and flex really ran."""
+    from attn_backends_builtin import flex
+
+    case = _case(case_id, torch.float32)
+    calls: list[ab.AttentionSpec] = []
+    real_attend = flex.FlexBackend.attend
+
+    def counted(self: Any, views: Any, plan: Any) -> torch.Tensor:
+        calls.append(plan.spec)
+        return real_attend(self, views, plan)
+
+    monkeypatch.setattr(flex.FlexBackend, "attend", counted)
+    packed = abt.pack_sequences(case.batch.sequences)
+    hidden = _run(case.model, FLEX_NAME, **packed)
+    error = _max_error(abt.unpack_hidden(hidden, packed["cu_seq_lens_q"]), case.eager)
+    assert error <= case.tolerance, (error, case.tolerance)
+    assert len(calls) == case.cfg.num_hidden_layers
+    assert any(spec.window is not None for spec in calls)
 
 
 @pytest.mark.parametrize("wrong", [None, 2 * GEMMA2_SOFTCAP], ids=["no-cap", "double-cap"])
