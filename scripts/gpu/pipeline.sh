@@ -9,17 +9,7 @@
 # scripts/gpu/verify.sh, which packs RUN_DIR; writes RUN_DIR/finished when done.
 set -u
 run_dir=${1:?usage: scripts/gpu/pipeline.sh RUN_DIR}
-echo $$ >"$run_dir/pid"  # verify.sh watches this process
-step() { echo "[$(date +%T) +${SECONDS}s] $*"; }
-
-step "setup"
-. scripts/gpu/setup.sh || exit 1
-{
-    nvidia-smi
-    python3 -c "import torch, sys; print('torch', torch.__version__, 'cuda', torch.version.cuda, 'python', sys.version)"
-    nvcc --version | tail -1
-    ninja --version
-} >"$run_dir/env.txt" 2>&1
+. scripts/gpu/pipeline_start.sh || exit 1
 
 step "prebuild: every flashinfer module the conformance runs and the benchmark load"
 python3 scripts/gpu/prebuild.py --budget "${PREBUILD_BUDGET:-1000}" >"$run_dir/prebuild.log" 2>&1
