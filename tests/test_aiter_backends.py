@@ -6,8 +6,10 @@ views trimmed to the valid tokens (no copies), int32 ``cu_seqlens`` on Q's devic
 causal flag and softmax scale, ``sink_size=0`` where the release requires it; FP8 goes to the
 FP8 entry point with float32 ``[1]`` descale tensors where it takes them and with the scales
 folded where it does not; the output is ``[token_q_num, Hq * D]`` and matches the float64
-reference. A parameter list the backends do not know is refused at ``prepare``. The
-conformance suite then runs through both backends on each generation.
+reference. ``aiter-nonasm`` passes a spec's window, soft-cap and ALiBi slopes to the CK op,
+whose fake computes them as CK's source describes. A parameter list the backends do not know is
+refused at ``prepare``. The conformance suite then runs through both backends on each
+generation.
 """
 
 from __future__ import annotations
@@ -49,6 +51,7 @@ OP_SETTINGS = (
     "window_size_right",
     "return_softmax_lse",
     "return_dropout_randval",
+    "alibi_slopes",
 )
 
 
@@ -198,6 +201,10 @@ def test_declared_capabilities():
         torch.float8_e4m3fn,
     }
     assert ck.head_dims == frozenset(range(8, 257, 8)) and ck.fp8
+    assert ck.sliding_window and ck.window_right and ck.logit_softcap
+    assert ck.alibi and ck.alibi_bidirectional and ck.alibi_custom_slopes
+    assert not ck.alibi_with_softcap, "CK's order of ALiBi and the soft-cap is not documented"
+    assert not (asm.sliding_window or asm.logit_softcap or asm.alibi), "no ASM kernel has them"
     for caps in (asm, ck):
         assert caps.gqa and caps.causal and caps.bidirectional
         assert not caps.needs_contiguous and caps.requires == ("aiter",)
@@ -307,6 +314,65 @@ def test_asm_calls_the_asm_kernel_with_views_and_spec_flags(fake, release, causa
     assert run.out.shape == (run.params.token_q_num, spec.q_width)
     assert run.out.dtype == torch.bfloat16
     assert run.error() < ab.TOLERANCE[torch.bfloat16]
+
+
+@pytest.mark.parametrize(
+    ("features", "expected"),
+    [
+        (
+            {"causal": False, "window": ab.SlidingWindow(4, 2)},
+            {"window_size_left": 4, "window_size_right": 2},
+        ),
+        ({"window": ab.SlidingWindow.causal(5)}, {"window_size_left": 4, "window_size_right": 0}),
+        ({"logit_softcap": 30}, {"logits_soft_cap": 30.0}),
+    ],
+    ids=["window-both-sides", "window-causal", "softcap"],
+)
+def test_nonasm_passes_windows_and_the_softcap_as_the_ck_op_reads_them(
+    fake, release, features, expected
+):
+    run = Run("aiter-nonasm", spec_of(torch.float16, **features), GFX942)
+    (call,) = fake.calls
+    for name, value in expected.items():
+        assert call.args[name] == value and type(call.args[name]) is type(value), name
+    assert call.args["alibi_slopes"] is None
+    assert run.error() < ab.TOLERANCE[torch.float16]
+
+
+@pytest.mark.parametrize("causal", [True, False], ids=["causal", "bidirectional"])
+def test_nonasm_passes_alibi_slopes_as_float32_heads_made_once(fake, causal):
+    spec = spec_of(torch.bfloat16, causal=causal, alibi=ab.AlibiSpec())
+    first, second = Run("aiter-nonasm", spec, GFX942), Run("aiter-nonasm", spec, GFX942, seed=1)
+    slopes = [call.args["alibi_slopes"] for call in fake.calls]
+    assert slopes[0] is slopes[1], "one device tensor per slopes and device, not one per batch"
+    assert slopes[0].dtype == torch.float32 and slopes[0].shape == (spec.num_heads,)
+    assert slopes[0].tolist() == pytest.approx(ab.bloom_alibi_slopes(spec.num_heads))
+    assert max(first.error(), second.error()) < ab.TOLERANCE[torch.bfloat16]
+
+
+@pytest.mark.parametrize(
+    "features",
+    [
+        {"window": ab.SlidingWindow.causal(8)},
+        {"logit_softcap": 30.0},
+        {"alibi": ab.AlibiSpec()},
+    ],
+    ids=["window", "softcap", "alibi"],
+)
+def test_fp8_with_features_is_refused_by_name(features):
+    spec = spec_of(torch.float8_e4m3fnuz, **features)
+    reasons = aiter_plugin.AiterNonAsmBackend().supports(spec, GFX942)
+    assert any("FP8 varlen entry point" in r.message for r in reasons), reasons
+
+
+def test_softcap_is_refused_when_aiter_would_build_the_softsign_formula(monkeypatch):
+    spec = spec_of(torch.bfloat16, logit_softcap=30.0)
+    backend = aiter_plugin.AiterNonAsmBackend()
+    assert backend.supports(spec, GFX942) == []
+    monkeypatch.setenv("CK_TILE_ATTENTION_LOGITS_SOFT_CAP_DEFAULT", "1")
+    (reason,) = backend.supports(spec, GFX942)
+    assert reason.code == ab.ReasonCode.SOFTCAP and reason.got == "1"
+    assert backend.supports(spec_of(torch.bfloat16), GFX942) == [], "only soft-capped specs"
 
 
 @pytest.mark.parametrize(
@@ -877,6 +943,13 @@ def test_selection_on_gfx942_prefers_asm_for_bf16_d128():
         (spec_of(dim=64, causal=False), "rocm:gfx942", ab.ReasonCode.HEAD_DIM),
         (spec_of(), "rocm:gfx90a", ab.ReasonCode.ARCH),
         (spec_of(torch.float8_e4m3fnuz), "rocm:gfx942", ab.ReasonCode.FP8),
+        (
+            spec_of(causal=False, window=ab.SlidingWindow.modernbert(128)),
+            "rocm:gfx942",
+            ab.ReasonCode.SLIDING_WINDOW,
+        ),
+        (spec_of(logit_softcap=50.0), "rocm:gfx942", ab.ReasonCode.SOFTCAP),
+        (spec_of(causal=False, alibi=ab.AlibiSpec()), "rocm:gfx942", ab.ReasonCode.ALIBI),
     ],
 )
 def test_selection_falls_to_nonasm_and_records_why_asm_lost(spec, platform, code):

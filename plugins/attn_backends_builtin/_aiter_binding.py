@@ -59,10 +59,12 @@ SETTINGS: dict[str, object] = {
     "return_softmax_lse": False,
     "return_dropout_randval": False,
     "how_v3_bf16_cvt": BF16_ROUNDING_RTNA,
+    "alibi_slopes": None,
 }
-"""Fixed arguments, sent to an entry point that has the parameter: each switches a feature off
-(no dropout, soft cap, window, attention sink or extra outputs), except ``how_v3_bf16_cvt``,
-aiter's own default rounding. aiter type-checks op arguments with isinstance (aiter/jit/core.py
+"""Arguments sent to an entry point that has the parameter: each switches a feature off (no
+dropout, soft cap, window, attention sink, ALiBi or extra outputs), except ``how_v3_bf16_cvt``,
+aiter's own default rounding. A spec's window, soft cap and ALiBi replace their defaults
+(`_aiter_features`). aiter type-checks op arguments with isinstance (aiter/jit/core.py
 ``check_args``), so each value has the declared Python type."""
 
 DESCALES = ("q_descale", "k_descale", "v_descale")

@@ -46,6 +46,7 @@ from ._aiter_binding import (
     binding_for,
     last_binding,
 )
+from ._aiter_features import feature_settings
 from ._aiter_signature import installed_version
 
 NATIVE_FP8: dict[str, torch.dtype] = {
@@ -93,8 +94,9 @@ class AiterPlan:
     """The aiter function; ``Any`` because aiter ships no type information."""
     softmax_scale: float
     settings: dict[str, object]
-    """Keyword arguments fixed for the spec: the scale (unless folded), the causal flag and
-    the `SETTINGS` this entry point has. Q/K/V and the batch offsets are added per forward."""
+    """Keyword arguments fixed for the spec: the scale (unless folded), the causal flag, the
+    `SETTINGS` this entry point has and the spec's window, soft-cap and ALiBi slopes on the
+    batch's device. Q/K/V and the batch offsets are added per forward."""
 
 
 def _check_cu_seqlens(params: FMHAParams) -> None:
@@ -133,7 +135,15 @@ def make_plan(entry: EntryPoint, spec: AttentionSpec, params: FMHAParams) -> Ait
     binding = binding_for(entry, kernel)
     _check_cu_seqlens(params)
     scale = float(spec.scale)
-    return AiterPlan(binding, kernel, scale, spec_settings(binding, scale, bool(spec.causal)))
+    settings = spec_settings(binding, scale, bool(spec.causal))
+    features = feature_settings(spec, params.device)
+    missing = sorted(set(features) - set(settings))
+    if missing:  # declared capabilities keep such specs away; this guards a wrong declaration
+        raise BackendFailure(
+            f"aiter {binding.aiter_version}'s {entry} takes no {', '.join(missing)}, which the "
+            "spec's window, soft-cap or ALiBi needs"
+        )
+    return AiterPlan(binding, kernel, scale, {**settings, **features})
 
 
 def descale_tensor(scale: torch.Tensor | float, device: torch.device) -> torch.Tensor:

@@ -11,7 +11,9 @@ the limits they declare, read from the amd-aiter source (0.1.7 to 0.1.20.post1):
   bottom-right causal. Anything else would fail inside aiter, so it is refused up front.
 * ``aiter-nonasm`` calls the CK kernels (``mha_varlen_fwd``) for fp16 and bf16, any head dim
   that is a multiple of 8 up to 256 (the op does not pad; C++ checks, CK d-padding tiles), and
-  the FP8 varlen entry point for per-tensor FP8 at head dim 128 in the arch's FP8 format.
+  the FP8 varlen entry point for per-tensor FP8 at head dim 128 in the arch's FP8 format. The
+  CK op also takes sliding windows (both sides), the logit soft-cap and ALiBi (any slopes,
+  causal or bidirectional), not ALiBi with the soft-cap (`_aiter_features`); FP8 takes none.
 
 Neither declares ``fp8_preprocess``: aiter applies no RoPE and these backends rotate nothing
 before quantising, so an FP8 spec with RoPE or logn is refused, never rotated in its stored
@@ -36,6 +38,7 @@ from attn_backends import (
 
 from ._aiter_binding import EntryPoint
 from ._aiter_common import NATIVE_FP8, AiterVarlenBackend, local_cu_count
+from ._aiter_features import feature_reasons
 
 API_VERSION = "1.0"
 
@@ -97,6 +100,13 @@ class AiterNonAsmBackend(AiterVarlenBackend):
         causal=True,
         bidirectional=True,
         needs_contiguous=False,
+        sliding_window=True,
+        window_right=True,
+        logit_softcap=True,
+        alibi=True,
+        alibi_bidirectional=True,
+        alibi_custom_slopes=True,
+        alibi_with_softcap=False,
         requires=("aiter",),
         priority=(
             PriorityRule("rocm", 100, note="policy: aiter CK kernels before the torch fallback"),
@@ -107,9 +117,9 @@ class AiterNonAsmBackend(AiterVarlenBackend):
         return "flash_attn_varlen_fp8_pertensor_func" if spec.is_fp8 else "mha_varlen_fwd"
 
     def extra_reasons(self, spec: AttentionSpec, platform: Platform) -> list[Reason]:
+        reasons = feature_reasons(spec)
         if not spec.is_fp8:
-            return []
-        reasons: list[Reason] = []
+            return reasons
         native = NATIVE_FP8.get(platform.arch or "")
         if platform.kind == "rocm" and native != spec.dtype:
             allowed = (

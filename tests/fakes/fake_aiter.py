@@ -104,8 +104,8 @@ def _check_varlen(a: dict[str, Any]) -> tuple[list[int], list[int]]:
             raise _fail("Input tensor must have contiguous last dimension")
     if k.dtype != q.dtype or v.dtype != q.dtype:
         raise _fail("query, key and value must have the same dtype")
-    if a["block_table"] is not None or a["bias"] is not None or a["alibi_slopes"] is not None:
-        raise NotImplementedError("the fake serves no block_table, bias or alibi")
+    if a["block_table"] is not None or a["bias"] is not None:
+        raise NotImplementedError("the fake serves no block_table or bias")
     cu_k = a["cu_seqlens_k"]
     if cu_k is None:
         raise _fail("cu_seqlens_k is required without a block_table")
@@ -135,14 +135,35 @@ def _check_varlen(a: dict[str, Any]) -> tuple[list[int], list[int]]:
     return cuq, cuk
 
 
-def _check_no_window_or_sink(a: dict[str, Any]) -> None:
+def _window(a: dict[str, Any]) -> tuple[int, int]:
+    """The CK op's window after its own normalisation: a bound reaching past the longest key
+    sequence is unbounded (-1), and ``is_causal`` forces ``right = 0``."""
     left, right = a["window_size_left"], a["window_size_right"]
     left = -1 if left >= a["max_seqlen_k"] else left
     right = -1 if right >= a["max_seqlen_k"] else right
-    if (left, right) != (-1, -1):
-        raise NotImplementedError("the fake serves no sliding window")
+    return (left, 0) if a["is_causal"] else (left, right)
+
+
+def _check_no_window_or_sink(a: dict[str, Any]) -> None:
+    if _window(a) not in ((-1, -1), (-1, 0)):
+        raise NotImplementedError("the fake serves no sliding window here")
     if a.get("sink_size", 0) != 0 or a.get("sink_ptr") is not None:
         raise NotImplementedError("the fake serves no attention sink")
+
+
+def _alibi_slopes(a: dict[str, Any], q: torch.Tensor) -> list[float] | None:
+    """The slopes the CK op reads: ``[Hq]`` (or ``[batch, Hq]``, not used here), last dim
+    contiguous, on q's device (C++ checks), read through a float pointer (so float32)."""
+    slopes = a.get("alibi_slopes")
+    if slopes is None:
+        return None
+    if slopes.device != q.device or slopes.stride(-1) != 1:
+        raise _fail("ALiBi slopes tensor must be on q's device with contiguous last dimension")
+    if tuple(slopes.shape) != (q.shape[1],):
+        raise NotImplementedError("the fake serves ALiBi slopes of shape [Hq] only")
+    if slopes.dtype != torch.float32:
+        raise _fail(f"alibi_slopes is read through a float pointer: float32, not {slopes.dtype}")
+    return [float(x) for x in slopes.tolist()]
 
 
 def _descales(a: dict[str, Any], q: torch.Tensor) -> tuple[float, float, float] | None:
@@ -176,8 +197,18 @@ def attention(
     cuk: list[int],
     scale: float,
     causal: bool,
+    *,
+    window: tuple[int, int] = (-1, -1),
+    softcap: float = 0.0,
+    slopes: list[float] | None = None,
 ) -> torch.Tensor:
-    """Float32 varlen attention; causal is bottom-right aligned as in aiter.
+    """Float32 varlen attention as CK computes it, bottom-right aligned as in aiter.
+
+    ``window`` is the op's normalised ``(left, right)``: key ``j`` is seen by query ``i`` when
+    ``i' - left <= j <= i' + right`` with ``i' = i + lk - lq``, -1 unbounded. ``softcap`` > 0
+    maps the scaled score ``s`` to ``softcap * tanh(s / softcap)``. ``slopes`` adds ALiBi as
+    CK's position encoding does (ck_tile block_position_encoding): ``slope * j`` for a causal
+    mask without a window, ``-slope * |i' - j|`` otherwise.
 
     A row that sees no key comes out NaN: in a no-cache prefill every causal row sees at least
     its own position, so such a row is a bug to surface, not a value to hide.
@@ -192,10 +223,19 @@ def attention(
         if lq == 0:
             continue
         scores = torch.einsum("qhd,khd->hqk", qs, ks) * scale
-        if causal:
-            i = torch.arange(lq)[:, None]
-            j = torch.arange(lk)[None, :]
-            scores = scores.masked_fill(j > i + (lk - lq), float("-inf"))
+        if softcap > 0:
+            scores = softcap * torch.tanh(scores / softcap)
+        i = torch.arange(lq)[:, None] + (lk - lq)
+        j = torch.arange(lk)[None, :]
+        left, right = (window[0], 0) if causal else window
+        if slopes is not None:
+            vertical = causal and left < 0
+            position = j.expand(lq, lk) if vertical else -(i - j).abs()
+            scores = scores + torch.tensor(slopes)[:, None, None] * position
+        if right >= 0:
+            scores = scores.masked_fill(j > i + right, float("-inf"))
+        if left >= 0:
+            scores = scores.masked_fill(j < i - left, float("-inf"))
         probs = torch.softmax(scores, dim=-1)
         out[cuq[b] : cuq[b + 1]] = torch.einsum("hqk,khd->qhd", probs, vs)
     return out
@@ -336,16 +376,24 @@ class FakeAiter:
                 raise _fail("fp8 kernels have no skip, soft cap or lse variants")
         elif descales is not None:
             raise _fail(f"no {q.dtype} kernel with per-tensor descales")
-        if a["dropout_p"] != 0.0 or a["return_dropout_randval"] or a["logits_soft_cap"] != 0.0:
-            raise NotImplementedError("the fake serves no dropout or logits soft cap")
+        if a["dropout_p"] != 0.0 or a["return_dropout_randval"]:
+            raise NotImplementedError("the fake serves no dropout")
         if a.get("cu_seqlens_q_padded") is not None or a.get("cu_seqlens_k_padded") is not None:
             raise NotImplementedError("the fake serves no padded cu_seqlens")
-        _check_no_window_or_sink(a)
+        if a.get("sink_size", 0) != 0 or a.get("sink_ptr") is not None:
+            raise NotImplementedError("the fake serves no attention sink")
+        features = {
+            "window": _window(a),
+            "softcap": float(a["logits_soft_cap"]),
+            "slopes": _alibi_slopes(a, q),
+        }
+        if fp8 and (features["window"] not in ((-1, -1), (-1, 0)) or features["slopes"]):
+            raise NotImplementedError("the fake serves no window or ALiBi on FP8")
         scale, out_scale = a["softmax_scale"], 1.0
         if descales is not None:
             scale, out_scale = scale * descales[0] * descales[1], descales[2]
         out_dtype = torch.bfloat16 if fp8 else q.dtype
-        return self._finish(a, cuq, cuk, out_dtype, scale, out_scale)
+        return self._finish(a, cuq, cuk, out_dtype, scale, out_scale, **features)
 
     def _asm(self, a: dict[str, Any]) -> tuple[torch.Tensor, ...]:
         cuq, cuk = _check_varlen(a)
@@ -355,6 +403,8 @@ class FakeAiter:
         if _descales(a, q) is not None:
             raise NotImplementedError("the fake serves no ASM descales")
         _check_no_window_or_sink(a)
+        if a["logits_soft_cap"] != 0.0 or a["alibi_slopes"] is not None:
+            raise _fail("invalid argument for fmha_v3_varlen_fwd: no soft cap or ALiBi kernels")
         dims = (q.shape[2], v.shape[2])
         kernel = (
             self.gfx in ASM_ARCHS
@@ -377,9 +427,11 @@ class FakeAiter:
         out_dtype: torch.dtype,
         scale: float,
         out_scale: float,
+        **features: Any,
     ) -> tuple[torch.Tensor, ...]:
         q = a["q"]
-        out = attention(q, a["k"], a["v"], cuq, cuk, scale, a["is_causal"]) * out_scale
+        out = attention(q, a["k"], a["v"], cuq, cuk, scale, a["is_causal"], **features)
+        out = out * out_scale
         result = out.to(device=q.device, dtype=out_dtype)
         given = a["out"]
         if given is not None:
