@@ -8,9 +8,10 @@ the attention of real embedding models, through the public API, on one GPU.
 Specs (bf16, random inputs, lengths seeded): ModernBERT-base local layers (12 x 64, window
 64 on both sides), EmbeddingGemma local layers (3 q / 1 kv x 256, window 256 on both sides),
 jina-embeddings-v2-base (12 x 64, bidirectional ALiBi). Each backend is first checked against
-the float64 reference on the whole batch, then timed: throughput (CUDA events around each of
-back-to-back calls) and latency (a sync before and after each call), medians in ms. The first
-call's wall time is reported apart: it includes flex's compilation.
+the float64 reference on the whole batch, then its ``forward`` is timed on one plan:
+throughput (CUDA events around each of back-to-back calls) and latency (a sync before and after
+each call), medians in ms. ``prepare`` (once per batch) is not timed. The first call's wall time
+is reported apart: it includes flex's compilation.
 """
 
 from __future__ import annotations
