@@ -64,15 +64,19 @@ def document_ids(lengths: tuple[int, ...], device: torch.device) -> torch.Tensor
     return doc.to(device)
 
 
+EAGER_MASK_LIMIT = 1 << 24
+"""Above ``heads * tokens**2`` entries a block mask is built by a compiled kernel instead of
+evaluating the mask over the whole grid (CUDA only)."""
+
+
 def build_flex_block_mask(
-    mask: MaskMod, heads: int | None, tokens: int, device: torch.device, eager_limit: int
+    mask: MaskMod, heads: int | None, tokens: int, device: torch.device
 ) -> BlockMask:
     """The block mask of ``mask`` over ``tokens x tokens`` (``heads=None``: the same for every
-    head). Above ``eager_limit`` grid entries on CUDA a compiled kernel builds it instead of
-    evaluating ``mask`` over the whole grid."""
+    head), built by a compiled kernel on CUDA above `EAGER_MASK_LIMIT` grid entries."""
     from torch.nn.attention.flex_attention import create_block_mask
 
-    compiled = device.type == "cuda" and (heads or 1) * tokens * tokens > eager_limit
+    compiled = device.type == "cuda" and (heads or 1) * tokens * tokens > EAGER_MASK_LIMIT
     return create_block_mask(mask, None, heads, tokens, tokens, device=device, _compile=compiled)
 
 

@@ -57,8 +57,6 @@ if TYPE_CHECKING:
 
 API_VERSION = "1.0"
 
-EAGER_MASK_LIMIT = 1 << 24
-"""Above ``tokens**2`` entries the block mask is built by a compiled kernel (CUDA only)."""
 
 COMPILE_STATE = CompileState()
 """The compiled kernel's health in this process; after a failure the eager kernel serves."""
@@ -168,7 +166,7 @@ class FlexBackend(PrefillBackend):
     def plan_kernel(self, spec: AttentionSpec, params: FMHAParams, *, fused_rope: bool) -> FlexPlan:
         device = params.device
         mask = sequence_mask(document_ids(params.input_lengths, device), spec.causal, spec.window)
-        block_mask = build_flex_block_mask(mask, None, params.token_q_num, device, EAGER_MASK_LIMIT)
+        block_mask = build_flex_block_mask(mask, None, params.token_q_num, device)
         slopes = None
         if spec.alibi is not None:
             values = spec.alibi.slopes_for(spec.num_heads)

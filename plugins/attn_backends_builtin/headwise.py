@@ -53,10 +53,6 @@ if TYPE_CHECKING:
 
 API_VERSION = "1.0"
 
-EAGER_MASK_LIMIT = 1 << 24
-"""Above ``heads * tokens**2`` entries the block mask is built by a compiled kernel instead
-of evaluating the mask over the whole grid (CUDA only)."""
-
 
 @dataclass(frozen=True, eq=False)
 class HeadwisePlan:
@@ -112,9 +108,7 @@ def build_block_mask(
         config.sink_token_num,
         config.swa_token_num,
     )
-    block_mask = build_flex_block_mask(
-        mask, spec.num_heads, params.token_q_num, device, EAGER_MASK_LIMIT
-    )
+    block_mask = build_flex_block_mask(mask, spec.num_heads, params.token_q_num, device)
     return HeadwisePlan(block_mask, sum(windowed))
 
 

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from attn_backends_builtin import headwise
+from attn_backends_builtin import _flex_kernel, headwise
 from attn_backends_builtin.flashinfer import FlashinferRopeBackend, RaggedPlan
 
 import attn_backends as ab
@@ -145,7 +145,7 @@ def test_long_sequences(name, spec, lengths, dtype):
 def test_headwise_compiled_block_mask_and_kernel(monkeypatch):
     """Long sequences build the block mask with a compiled kernel; the flex kernel is compiled;
     nothing fell back to eager."""
-    monkeypatch.setattr(headwise, "EAGER_MASK_LIMIT", 0)
+    monkeypatch.setattr(_flex_kernel, "EAGER_MASK_LIMIT", 0)
     spec = SPECS["headwise"]
     backend = headwise.HeadwiseBackend().bind(spec)
     params, qkv = _batch(spec, (1500, 700, 40, 255, 256), seed=2)
