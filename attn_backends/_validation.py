@@ -7,6 +7,7 @@ These functions list every problem instead, and the registry refuses that backen
 
 from __future__ import annotations
 
+import dataclasses
 import re
 
 import torch
@@ -17,6 +18,16 @@ from ._platform import PLATFORM_KINDS
 NAME_PATTERN = re.compile(r"[A-Za-z0-9][A-Za-z0-9._+-]{0,99}")
 """Backend names: no spaces, commas or colons, which the environment lists use as syntax."""
 _MODULE_PATTERN = re.compile(r"[A-Za-z_][A-Za-z0-9_]*(\.[A-Za-z_][A-Za-z0-9_]*)*")
+
+
+def _fields_typed(cls: type, annotation: str) -> tuple[str, ...]:
+    """The dataclass fields declared with ``annotation``, in declaration order: a flag added to
+    the dataclass is checked without a list here to keep in step."""
+    return tuple(f.name for f in dataclasses.fields(cls) if f.type == annotation)
+
+
+_CAPABILITY_FLAGS = _fields_typed(Capabilities, "bool")
+_RULE_FLAGS = _fields_typed(PriorityRule, "bool | None")
 
 
 def name_problem(name: object) -> str | None:
@@ -82,16 +93,10 @@ def rule_problems(rule: object, where: str) -> list[str]:
         problem = _set_problem(f"{where}.{field}", value, element, optional=True)
         if problem is not None:
             problems.append(problem)
-    flags: tuple[tuple[str, object], ...] = (
-        ("gqa", rule.gqa),
-        ("causal", rule.causal),
-        ("rope_fusable", rule.rope_fusable),
-        ("masked", rule.masked),
-    )
     problems += [
         f"{where}.{flag} must be True, False or None, got {value!r}"
-        for flag, value in flags
-        if value is not None and not isinstance(value, bool)
+        for flag in _RULE_FLAGS
+        if (value := getattr(rule, flag)) is not None and not isinstance(value, bool)
     ]
     if not isinstance(rule.note, str):
         problems.append(f"{where}.note must be a str, got {type(rule.note).__name__}")
@@ -118,21 +123,10 @@ def capability_problems(caps: object) -> list[str]:
             f"capabilities.platforms holds {', '.join(unknown)}; use {', '.join(PLATFORM_KINDS)}"
         )
     problems += _sm_problems("capabilities", caps.min_sm, caps.max_sm)
-    flags: tuple[tuple[str, object], ...] = (
-        ("gqa", caps.gqa),
-        ("causal", caps.causal),
-        ("bidirectional", caps.bidirectional),
-        ("needs_contiguous", caps.needs_contiguous),
-        ("mla", caps.mla),
-        ("headwise", caps.headwise),
-        ("fused_rope", caps.fused_rope),
-        ("cuda_graph", caps.cuda_graph),
-        ("fp8_preprocess", caps.fp8_preprocess),
-    )
     problems += [
         f"capabilities.{flag} must be True or False, got {value!r}"
-        for flag, value in flags
-        if not isinstance(value, bool)
+        for flag in _CAPABILITY_FLAGS
+        if not isinstance(value := getattr(caps, flag), bool)
     ]
     limit = caps.fused_rope_max_seqlen
     if limit is not None and not _is_int(limit):

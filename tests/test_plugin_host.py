@@ -27,7 +27,7 @@ import torch
 from attn_backends_builtin import torch_sdpa
 
 import attn_backends as ab
-from attn_backends import _isolation, cli
+from attn_backends import _isolation, _validation, cli
 from tests.plugin_site import PluginSite, open_site
 from tests.static_plugin import StaticPlugin
 
@@ -341,6 +341,11 @@ DECLARATION_FAULTS: dict[str, tuple[object, object, str]] = {
     ),
     "min-sm-str": ("vendor", _tampered(_EAGER, min_sm="80"), "capabilities.min_sm must be an int"),
     "flag-str": ("vendor", _tampered(_EAGER, gqa="yes"), "capabilities.gqa must be True or False"),
+    "feature-flag-str": (
+        "vendor",
+        _tampered(_EAGER, sliding_window="yes"),
+        "capabilities.sliding_window must be True or False, got 'yes'",
+    ),
     "requires-str": (
         "vendor",
         _tampered(_EAGER, requires="flashinfer"),
@@ -690,6 +695,38 @@ def test_probing_a_dotted_name_or_a_broken_finder_never_imports_or_raises(
 
 
 # ---- the figures the guide states ---------------------------------------------------------------
+
+
+CAPABILITY_FLAGS = (
+    "gqa",
+    "causal",
+    "bidirectional",
+    "needs_contiguous",
+    "mla",
+    "headwise",
+    "fused_rope",
+    "cuda_graph",
+    "fp8_preprocess",
+    "sliding_window",
+    "window_right",
+    "logit_softcap",
+    "alibi",
+    "alibi_bidirectional",
+    "alibi_custom_slopes",
+    "alibi_with_softcap",
+)
+
+
+@pytest.mark.parametrize("flag", CAPABILITY_FLAGS)
+def test_every_capability_flag_must_be_a_bool(flag):
+    problems = _validation.capability_problems(_tampered(_EAGER, **{flag: "yes"}))
+    assert problems == [f"capabilities.{flag} must be True or False, got 'yes'"]
+
+
+@pytest.mark.parametrize("flag", ["gqa", "causal", "rope_fusable", "masked"])
+def test_every_priority_rule_flag_must_be_a_bool_or_none(flag):
+    problems = _validation.rule_problems(_rule(**{flag: 1}), "rule")
+    assert problems == [f"rule.{flag} must be True, False or None, got 1"]
 
 
 def test_the_guide_states_the_counted_figures() -> None:
