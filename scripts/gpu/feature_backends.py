@@ -10,7 +10,8 @@ Specs (bf16, random inputs, lengths seeded): ModernBERT-base local layers (12 x 
 jina-embeddings-v2-base (12 x 64, bidirectional ALiBi). Each backend is first checked against
 the float64 reference on the whole batch, then its ``forward`` is timed on one plan:
 throughput (CUDA events around each of back-to-back calls) and latency (a sync before and after
-each call), medians in ms. ``prepare`` (once per batch) is not timed. The first call's wall time
+each call), medians in ms, and host µs per call (calls in a row without a sync). ``prepare``
+(once per batch) is not timed. The first call's wall time
 is reported apart: it includes flex's compilation.
 """
 
@@ -27,7 +28,12 @@ import torch
 
 import attn_backends as ab
 from attn_backends._reference import reference_attention, relative_error
-from attn_backends.bench.timing import event_block, latency_block, synchronize
+from attn_backends.bench.timing import (
+    event_block,
+    latency_block,
+    synchronize,
+    time_host_calls,
+)
 
 BACKENDS = ("torch-sdpa", "flex")
 TOLERANCE = 2e-2
@@ -98,6 +104,7 @@ def measure(
             result["latency_ms"] = statistics.median(
                 latency_block(step, first=0, count=20, device=device)
             )
+            result["host_us"] = time_host_calls(step, calls=20, warmup=0, device=device).median_us
             result["status"] = "ok"
         row[backend_name] = result
         print(f"{name}: {backend_name}: {result}", flush=True)
