@@ -15,6 +15,7 @@ import torch
 from ._dtypes import parse_dtype
 from ._errors import AttentionBackendError, PlatformError
 from ._platform import Platform, parse_platform
+from ._spec import MAX_ROPE_THETA
 
 if TYPE_CHECKING:
     from _typeshed import SupportsWrite
@@ -93,9 +94,9 @@ def rope_theta(text: str) -> float:
         value = float(text)
     except ValueError:
         raise argparse.ArgumentTypeError(f"expected a number such as 10000, got {text!r}") from None
-    if not (math.isfinite(value) and value > 1.0):
+    if not (math.isfinite(value) and 1.0 < value <= MAX_ROPE_THETA):
         raise argparse.ArgumentTypeError(
-            f"expected a finite number > 1 (e.g. 10000 or 1e6), got {text!r}"
+            f"expected a finite number > 1 and at most 2**126 (e.g. 10000 or 1e6), got {text!r}"
         )
     return value
 
@@ -136,6 +137,14 @@ def rope_parameters(text: str) -> dict[str, object]:
         value = json.loads(text)
     except json.JSONDecodeError as exc:
         raise argparse.ArgumentTypeError(f"not JSON ({exc.msg}); give an object, {hint}") from None
+    except RecursionError:
+        raise argparse.ArgumentTypeError(
+            f"JSON nested too deeply to read; give a flat object, {hint}"
+        ) from None
+    except ValueError:  # an integer literal past Python's digit limit for int()
+        raise argparse.ArgumentTypeError(
+            f"a number in the JSON is too long to read; give an object, {hint}"
+        ) from None
     if not isinstance(value, dict):
         raise argparse.ArgumentTypeError(f"expected a JSON object, {hint}; got {text!r}")
     return value

@@ -163,6 +163,12 @@ def spec_from_args(args: argparse.Namespace) -> AttentionSpec:
                 f"RoPE over the whole head needs an even head dim, got {dim_text}: give "
                 "--rotary-dim with the even number of rotated dims, or --no-rope"
             )
+        if args.rope_scaling is not None and rope.scaling is not None:
+            rotated = head_dim if rope.rotary_dim is None else rope.rotary_dim
+            try:
+                rope.scaling.check_rotary_dim(rotated)
+            except SpecError as exc:
+                raise CommandLineError(f"--rope-scaling does not fit {dim_text}: {exc}") from exc
     logn: int | None = args.logn_base if args.logn_base is not None else start.logn_base
     causal: bool = args.causal if args.causal is not None else start.causal
     window = _window(args, start, causal, preset)

@@ -9,6 +9,7 @@ from collections.abc import Mapping
 from typing import Any
 
 from ._errors import SpecError
+from ._numbers import finite_float, shown
 from ._rope_scaling import RopeScaling
 from ._spec import RopeSpec
 
@@ -28,26 +29,47 @@ def rope_spec_from_hf(
     """The RoPE a transformers model applies, from its RoPE dict and head size.
 
     ``rope_theta`` and ``partial_rotary_factor`` are the config's top-level values (older
-    configs keep them outside the dict); the dict's own win. A ``partial_rotary_factor`` below
-    1 rotates the leading ``int(head_dim * factor)`` dims, except for ``proportional``, whose
-    rule keeps the whole head and zeroes the frequencies of the trailing pairs.
+    configs keep them outside the dict); the dict's own win, as in transformers. A
+    ``partial_rotary_factor`` below 1 rotates the leading ``int(head_dim * factor)`` dims (0:
+    none, a spec without RoPE), except for ``proportional``, whose rule keeps the whole head
+    and zeroes the frequencies of the trailing pairs.
     """
+    if rope_parameters is not None and not isinstance(rope_parameters, Mapping):
+        raise SpecError(
+            "rope_parameters must be a dict such as {'rope_type': 'default', 'rope_theta': 1e4} "
+            f"or None, got {type(rope_parameters).__name__}"
+        )
+    if isinstance(head_dim, bool) or not isinstance(head_dim, int) or head_dim <= 0:
+        raise SpecError(f"head_dim must be a positive int, got {shown(head_dim)}")
     params = dict(rope_parameters or {})
+    # transformers moves the top-level values into the dict unless it has its own.
+    for key, value in (
+        ("rope_theta", rope_theta),
+        ("partial_rotary_factor", partial_rotary_factor),
+    ):
+        if params.get(key) is None and value is not None:
+            params[key] = value
+    share = params.get("partial_rotary_factor")
+    fraction = 1.0 if share is None else finite_float(share)
+    if fraction is None or not 0.0 <= fraction <= 1.0:
+        raise SpecError(
+            "partial_rotary_factor must be a number in [0, 1], the share of each head that "
+            f"rotates (e.g. 0.5), got {shown(share)}"
+        )
     scaling = RopeScaling.from_hf(
         params,
         max_position_embeddings=max_position_embeddings,
         original_max_position_embeddings=original_max_position_embeddings,
     )
-    theta = params.get("rope_theta") or rope_theta or HF_DEFAULT_THETA
-    fraction = params.get("partial_rotary_factor") or partial_rotary_factor or 1.0
+    theta = params.get("rope_theta")
+    if theta is None:
+        theta = HF_DEFAULT_THETA  # any other value RopeSpec checks
     rotary_dim: int | None = None
     if scaling.rope_type != "proportional" and fraction != 1.0:
         rotary_dim = int(head_dim * fraction)
-    return RopeSpec(
-        theta=float(theta),
-        rotary_dim=rotary_dim,
-        scaling=None if scaling.is_plain else scaling,
-    )
+        if rotary_dim == 0:  # nothing rotates, so no scaling rule applies
+            return RopeSpec(theta=theta, rotary_dim=0)
+    return RopeSpec(theta=theta, rotary_dim=rotary_dim, scaling=scaling)
 
 
 def rope_spec_from_hf_config(config: object) -> RopeSpec:

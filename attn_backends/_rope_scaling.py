@@ -19,6 +19,7 @@ from dataclasses import dataclass, fields
 from typing import Any, Literal, cast
 
 from ._errors import SpecError
+from ._numbers import finite_float, shown
 
 RopeType = Literal["default", "linear", "dynamic", "yarn", "longrope", "llama3", "proportional"]
 ROPE_TYPES: tuple[RopeType, ...] = (
@@ -74,36 +75,68 @@ _HF_TYPE_ALIASES: dict[str, RopeType] = {"mrope": "default"}
 """Multimodal RoPE on text positions (every axis the same position) is plain RoPE."""
 
 
+FACTOR_RANGE = (1e-6, 1e6)
+"""Bounds of every stretch and divisor (``factor``, ``short_factor``/``long_factor``,
+``beta_fast``/``beta_slow``; real models use 1 to 64). Within them every frequency and every
+angle over any int32 position stays far inside float64, and dynamic NTK's stretched theta cannot
+overflow."""
+MAX_CONTEXT = 2**53
+"""Largest context length (``original_max_position_embeddings``, ``max_position_embeddings``):
+the rules divide by it as a float64, which holds ints up to 2**53 exactly."""
+MAX_ATTENTION_FACTOR = 16.0
+"""Largest multiplier of cos and sin (real models use about 1 to 1.5): it multiplies rotated
+Q and K in the input dtype (float16 ends at 65504) and so the scores by its square."""
+
+
 def _is_number(value: object) -> bool:
-    return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+    return finite_float(value) is not None
 
 
 def _positive(name: str, value: object, example: str) -> None:
-    if not (_is_number(value) and cast(float, value) > 0):
+    number = finite_float(value)
+    if number is None or number <= 0:
         raise SpecError(
-            f"RopeScaling.{name} must be a positive finite number ({example}), got {value!r}"
+            f"RopeScaling.{name} must be a positive finite number ({example}), got {shown(value)}"
         )
 
 
-def _positive_int(name: str, value: object, example: str) -> None:
-    if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
-        raise SpecError(f"RopeScaling.{name} must be a positive int ({example}), got {value!r}")
+def _in_factor_range(name: str, value: object, example: str) -> None:
+    low, high = FACTOR_RANGE
+    number = finite_float(value)
+    if number is None or not low <= number <= high:
+        raise SpecError(
+            f"RopeScaling.{name} must be a number in [{low:g}, {high:g}] ({example}; beyond "
+            f"that range RoPE's frequencies overflow or vanish), got {shown(value)}"
+        )
+
+
+def _context_length(name: str, value: object, example: str) -> None:
+    if isinstance(value, bool) or not isinstance(value, int) or not 0 < value <= MAX_CONTEXT:
+        raise SpecError(
+            f"RopeScaling.{name} must be a positive int of at most 2**53 ({example}), got "
+            f"{shown(value)}"
+        )
 
 
 def _factors(name: str, value: object) -> tuple[float, ...]:
-    try:
-        items = tuple(cast("tuple[object, ...]", value))
-    except TypeError:
+    if isinstance(value, (str, bytes)):
+        items: tuple[object, ...] = ()
+    else:
+        try:
+            items = tuple(cast("tuple[object, ...]", value))
+        except TypeError:
+            raise SpecError(
+                f"RopeScaling.{name} must be a sequence of positive numbers (one per rotated "
+                f"pair), got {shown(value)}"
+            ) from None
+    low, high = FACTOR_RANGE
+    numbers = [finite_float(x) for x in items]
+    if not numbers or not all(x is not None and low <= x <= high for x in numbers):
         raise SpecError(
-            f"RopeScaling.{name} must be a sequence of positive numbers (one per rotated pair), "
-            f"got {value!r}"
-        ) from None
-    if not items or not all(_is_number(x) and cast(float, x) > 0 for x in items):
-        raise SpecError(
-            f"RopeScaling.{name} must hold one positive finite number per rotated pair "
-            f"(rotary_dim / 2 of them), got {value!r}"
+            f"RopeScaling.{name} must hold one number in [{low:g}, {high:g}] per rotated pair "
+            f"(rotary_dim / 2 of them), got {shown(value)}"
         )
-    return tuple(float(cast(float, x)) for x in items)
+    return tuple(cast(float, x) for x in numbers)
 
 
 def _yarn_mscale(scale: float, weight: float) -> float:
@@ -157,7 +190,7 @@ class RopeScaling:
         if self.rope_type not in ROPE_TYPES:
             raise SpecError(
                 f"RopeScaling.rope_type must be one of {', '.join(ROPE_TYPES)}; got "
-                f"{self.rope_type!r}"
+                f"{shown(self.rope_type)}"
             )
         used = _USED[self.rope_type]
         for f in fields(self):
@@ -172,23 +205,25 @@ class RopeScaling:
         for name in _REQUIRED.get(self.rope_type, ()):
             if getattr(self, name) is None:
                 raise SpecError(f"rope_type {self.rope_type!r} needs RopeScaling.{name}; set it")
-        _positive("factor", self.factor, "e.g. 4.0 for a context stretched 4x")
+        _in_factor_range("factor", self.factor, "e.g. 4.0 for a context stretched 4x")
         for name in ("original_max_position_embeddings", "max_position_embeddings"):
             value = getattr(self, name)
             if value is not None:
-                _positive_int(name, value, "a context length such as 32768")
+                _context_length(name, value, "a context length such as 32768")
         if self.attention_factor is not None:
             _positive("attention_factor", self.attention_factor, "or None to derive it")
-        _positive("beta_fast", self.beta_fast, "YaRN's default is 32")
-        _positive("beta_slow", self.beta_slow, "YaRN's default is 1")
+        _in_factor_range("beta_fast", self.beta_fast, "YaRN's default is 32")
+        _in_factor_range("beta_slow", self.beta_slow, "YaRN's default is 1")
         for name in ("mscale", "mscale_all_dim"):
             value = getattr(self, name)
             if value is not None and not _is_number(value):
                 raise SpecError(
-                    f"RopeScaling.{name} must be a finite number or None, got {value!r}"
+                    f"RopeScaling.{name} must be a finite number or None, got {shown(value)}"
                 )
         if not isinstance(self.truncate, bool):
-            raise SpecError(f"RopeScaling.truncate must be True or False, got {self.truncate!r}")
+            raise SpecError(
+                f"RopeScaling.truncate must be True or False, got {shown(self.truncate)}"
+            )
         if self.rope_type == "llama3":
             _positive("low_freq_factor", self.low_freq_factor, "Llama 3.1 uses 1")
             _positive("high_freq_factor", self.high_freq_factor, "Llama 3.1 uses 4")
@@ -207,10 +242,42 @@ class RopeScaling:
                 )
             object.__setattr__(self, "short_factor", short)
             object.__setattr__(self, "long_factor", long)
-        p = self.partial_rotary_factor
-        if not (_is_number(p) and 0 < p <= 1):
+        p = finite_float(self.partial_rotary_factor)
+        if p is None or not 0 <= p <= 1:
             raise SpecError(
-                f"RopeScaling.partial_rotary_factor must be in (0, 1] (e.g. 0.25), got {p!r}"
+                "RopeScaling.partial_rotary_factor must be in [0, 1] (e.g. 0.25; 0 rotates "
+                f"nothing), got {shown(self.partial_rotary_factor)}"
+            )
+        self._check_attention_scaling()
+
+    def _check_attention_scaling(self) -> None:
+        """The cos/sin multiplier, given or derived, is one every backend computes with."""
+        derives_from_log = self.rope_type == "longrope" and self.attention_factor is None
+        if derives_from_log and self.factor > 1 and self.original_max_position_embeddings == 1:
+            raise SpecError(
+                "longrope derives its attention factor from log(original_max_position_"
+                "embeddings), which is 0 for a context of 1: give the real original context "
+                "length, or set attention_factor"
+            )
+        try:
+            value = self.attention_scaling
+        except ZeroDivisionError:
+            raise SpecError(
+                f"yarn's attention factor divides by 0.1 * mscale_all_dim * ln(factor) + 1, which "
+                f"is 0 for mscale_all_dim {self.mscale_all_dim} and factor {self.factor:g}: give "
+                "the model's mscale_all_dim (DeepSeek: equal to mscale, e.g. 0.707) or "
+                "attention_factor"
+            ) from None
+        if not 0 < value <= MAX_ATTENTION_FACTOR:  # NaN fails too
+            source = (
+                "RopeScaling.attention_factor"
+                if self.attention_factor is not None
+                else f"the attention factor that {self.rope_type} derives from factor "
+                f"{self.factor:g}, mscale {self.mscale} and mscale_all_dim {self.mscale_all_dim}"
+            )
+            raise SpecError(
+                f"{source} is {value:g}; it must be in (0, {MAX_ATTENTION_FACTOR:g}]: cos and sin "
+                "multiply Q and K by it in the input dtype (real models use about 1 to 1.5)"
             )
 
     @property
@@ -222,6 +289,13 @@ class RopeScaling:
     def length_dependent(self) -> bool:
         """The frequencies depend on the batch's longest sequence (dynamic, longrope)."""
         return self.rope_type in LENGTH_DEPENDENT
+
+    def rotating_pairs(self, rotary_dim: int) -> int:
+        """How many of the ``rotary_dim / 2`` pairs turn at all: all of them, except for
+        ``proportional``, whose trailing pairs get frequency 0."""
+        if self.rope_type == "proportional":
+            return int(self.partial_rotary_factor * rotary_dim // 2)
+        return rotary_dim // 2
 
     def check_rotary_dim(self, rotary_dim: int) -> None:
         """Refuse a rule that cannot apply to ``rotary_dim`` rotated dims."""
@@ -286,7 +360,7 @@ class RopeScaling:
             return [w / s for w, s in zip(plain, cast("tuple[float, ...]", chosen), strict=True)]
         if kind == "llama3":
             return self._llama3(plain)
-        rotating = int(self.partial_rotary_factor * d // 2)
+        rotating = self.rotating_pairs(d)
         return [w / self.factor if i < rotating else 0.0 for i, w in enumerate(plain)]
 
     def _yarn(self, theta: float, d: int, plain: list[float]) -> list[float]:
@@ -354,6 +428,11 @@ class RopeScaling:
         does for a config that keeps it outside the dict (Phi-3); failing both, transformers
         falls back to ``max_position_embeddings``, and so does this.
         """
+        if rope_parameters is not None and not isinstance(rope_parameters, Mapping):
+            raise SpecError(
+                "rope_parameters must be a dict such as {'rope_type': 'linear', 'factor': 4.0} "
+                f"or None, got {type(rope_parameters).__name__}"
+            )
         params = dict(rope_parameters or {})
         if any(isinstance(v, Mapping) for v in params.values()):
             raise SpecError(
@@ -361,10 +440,15 @@ class RopeScaling:
                 "its own dict, e.g. RopeScaling.from_hf(rope_parameters['full_attention'], ...)"
             )
         raw_type = params.get("rope_type", params.get("type", "default"))
+        if not isinstance(raw_type, str):
+            raise SpecError(
+                f"rope_type must be a string, one of {', '.join(ROPE_TYPES)}; got a "
+                f"{type(raw_type).__name__}"
+            )
         kind = _HF_TYPE_ALIASES.get(raw_type, raw_type)
         if kind not in ROPE_TYPES:
             raise SpecError(
-                f"rope_type {raw_type!r} is not supported; the rope types are "
+                f"rope_type {shown(raw_type)} is not supported; the rope types are "
                 f"{', '.join(ROPE_TYPES)}"
             )
         used = _USED[kind]
@@ -383,7 +467,10 @@ class RopeScaling:
                         "original_max_position_embeddings; pass max_position_embeddings or set "
                         "'factor'"
                     )
-                factor = max_position_embeddings / kw["original_max_position_embeddings"]
+                _context_length("max_position_embeddings", max_position_embeddings, "the config's")
+                original = kw["original_max_position_embeddings"]
+                _context_length("original_max_position_embeddings", original, "e.g. 4096")
+                factor = max_position_embeddings / original
             elif factor is None and kind == "proportional":
                 factor = 1.0
             elif factor is None:
@@ -408,5 +495,7 @@ class RopeScaling:
             kw["low_freq_factor"] = params.get("low_freq_factor")
             kw["high_freq_factor"] = params.get("high_freq_factor")
         if kind == "proportional":
-            kw["partial_rotary_factor"] = params.get("partial_rotary_factor") or 1.0
+            # A missing or null share is transformers' default, 1; an explicit 0 rotates none.
+            share = params.get("partial_rotary_factor")
+            kw["partial_rotary_factor"] = 1.0 if share is None else share
         return cls(**kw)

@@ -10,7 +10,15 @@ import torch
 from ._dtypes import MODEL_DTYPES, dtype_name, is_fp8
 from ._errors import SpecError
 from ._features import AlibiSpec, SlidingWindow
+from ._numbers import finite_float, shown
 from ._rope_scaling import RopeScaling
+
+MAX_ROPE_THETA = 2.0**126
+"""Largest RoPE theta (about 8.5e37; real models use 1e4 to 1e7): fused RoPE kernels take theta
+as a float32 and use ``1 / theta``, which must stay a normal float32."""
+MAX_SOFTMAX_SCALE = 256.0
+"""Largest softmax scale (``1 / sqrt(head_dim)`` is 0.04 to 0.35): some kernels multiply Q and
+K by the scale's square root in the input dtype, and float16 ends at 65504."""
 
 
 @dataclass(frozen=True)
@@ -20,32 +28,43 @@ class RopeSpec:
     theta: float
     """Base of the inverse frequencies, e.g. 10000 for Llama-2, 1e6 for Qwen3."""
     rotary_dim: int | None = None
-    """Leading dims of each head that rotate; ``None`` means the whole head."""
+    """Leading dims of each head that rotate; ``None`` means the whole head. ``0`` rotates
+    nothing (transformers' ``partial_rotary_factor=0``): a spec with it has no RoPE."""
     interleaved: bool = False
     """``False``: rotate-half pairs ``(i, i + r/2)`` (Llama/Qwen in HF transformers).
     ``True``: adjacent pairs ``(2i, 2i + 1)`` (GPT-J)."""
     scaling: RopeScaling | None = None
     """Long-context scaling of the frequencies (transformers' ``rope_type``); ``None`` is plain
-    RoPE, like ``RopeScaling()``."""
+    RoPE. ``RopeScaling()`` (plain) is stored as ``None``, so that both compare, hash and
+    fingerprint alike."""
 
     def __post_init__(self) -> None:
-        if not (isinstance(self.theta, (int, float)) and math.isfinite(self.theta)):
-            raise SpecError(f"RopeSpec.theta must be a finite number, got {self.theta!r}")
-        if self.theta <= 1.0:
-            raise SpecError(f"RopeSpec.theta must be > 1 (e.g. 10000.0), got {self.theta!r}")
+        theta = finite_float(self.theta)
+        if theta is None or not 1.0 < theta <= MAX_ROPE_THETA:
+            raise SpecError(
+                "RopeSpec.theta must be > 1, finite and at most 2**126 (e.g. 10000.0; fused "
+                f"kernels read 1/theta as a float32), got {shown(self.theta)}"
+            )
+        object.__setattr__(self, "theta", theta)
         if self.rotary_dim is not None and (
-            not isinstance(self.rotary_dim, int) or self.rotary_dim <= 0 or self.rotary_dim % 2
+            isinstance(self.rotary_dim, bool)
+            or not isinstance(self.rotary_dim, int)
+            or self.rotary_dim < 0
+            or self.rotary_dim % 2
         ):
             raise SpecError(
-                f"RopeSpec.rotary_dim must be a positive even int or None, got {self.rotary_dim!r}"
+                "RopeSpec.rotary_dim must be an even int >= 0 (0 rotates nothing) or None, got "
+                f"{shown(self.rotary_dim)}"
             )
         _flag("RopeSpec.interleaved", self.interleaved)
         if self.scaling is not None:
             if not isinstance(self.scaling, RopeScaling):
                 raise SpecError(
-                    f"RopeSpec.scaling must be a RopeScaling or None, got {self.scaling!r}"
+                    f"RopeSpec.scaling must be a RopeScaling or None, got {shown(self.scaling)}"
                 )
-            if self.rotary_dim is not None:
+            if self.scaling.is_plain:
+                object.__setattr__(self, "scaling", None)
+            elif self.rotary_dim:
                 self.scaling.check_rotary_dim(self.rotary_dim)
 
     @property
@@ -62,14 +81,6 @@ class RopeSpec:
         if self.scaling is not None:  # absent when unset: plain specs keep their fingerprints
             out["scaling"] = self.scaling.to_dict()
         return out
-
-    @classmethod
-    def from_hf_config(cls, config: object) -> RopeSpec:
-        """The RoPE of a transformers model config (``rope_parameters`` or ``rope_scaling``);
-        see `rope_spec_from_hf`."""
-        from ._rope_hf import rope_spec_from_hf_config
-
-        return rope_spec_from_hf_config(config)
 
 
 @dataclass(frozen=True)
@@ -132,6 +143,29 @@ def _positive_int(name: str, value: object) -> None:
         raise SpecError(f"AttentionSpec.{name} must be a positive int, got {value!r}")
 
 
+def _rope_for_head(rope: object, head_dim: int) -> RopeSpec | None:
+    """``rope`` checked against the head; a RoPE that turns no pair is no RoPE (``None``), so
+    that specs meaning the same compare, hash and fingerprint alike."""
+    if rope is None:
+        return None
+    if not isinstance(rope, RopeSpec):
+        raise SpecError(f"AttentionSpec.rope must be a RopeSpec or None, got {shown(rope)}")
+    rotary_dim = rope.rotary_dim
+    if rotary_dim is not None and rotary_dim > head_dim:
+        raise SpecError(f"RopeSpec.rotary_dim ({rotary_dim}) exceeds head_dim ({head_dim})")
+    if rotary_dim is None and head_dim % 2:
+        raise SpecError(
+            f"RoPE over the whole head needs an even head_dim, got {head_dim}; "
+            "set RopeSpec.rotary_dim to the even number of rotated dims"
+        )
+    rotated = head_dim if rotary_dim is None else rotary_dim
+    if rotated and rope.scaling is not None:
+        rope.scaling.check_rotary_dim(rotated)
+    if rotated == 0 or (rope.scaling is not None and rope.scaling.rotating_pairs(rotated) == 0):
+        return None
+    return rope
+
+
 @dataclass(frozen=True)
 class AttentionSpec:
     """One attention layer of the model, as the no-cache prefill path sees it.
@@ -179,19 +213,7 @@ class AttentionSpec:
         if not isinstance(self.dtype, torch.dtype) or self.dtype not in MODEL_DTYPES:
             allowed = ", ".join(sorted(dtype_name(d) for d in MODEL_DTYPES))
             raise SpecError(f"AttentionSpec.dtype must be one of {allowed}; got {self.dtype!r}")
-        if self.rope is not None:
-            if not isinstance(self.rope, RopeSpec):
-                raise SpecError(f"AttentionSpec.rope must be a RopeSpec or None, got {self.rope!r}")
-            rotary_dim = self.rope.rotary_dim
-            if rotary_dim is not None and rotary_dim > self.head_dim:
-                raise SpecError(
-                    f"RopeSpec.rotary_dim ({rotary_dim}) exceeds head_dim ({self.head_dim})"
-                )
-            if rotary_dim is None and self.head_dim % 2:
-                raise SpecError(
-                    f"RoPE over the whole head needs an even head_dim, got {self.head_dim}; "
-                    "set RopeSpec.rotary_dim to the even number of rotated dims"
-                )
+        object.__setattr__(self, "rope", _rope_for_head(self.rope, self.head_dim))
         if self.use_logn_attn:
             if not isinstance(self.logn_base, int) or self.logn_base < 2:
                 raise SpecError(
@@ -200,14 +222,15 @@ class AttentionSpec:
                 )
         elif self.logn_base is not None:
             raise SpecError("logn_base is set but use_logn_attn is False; set both or neither")
-        if self.softmax_scale is not None and not (
-            isinstance(self.softmax_scale, (int, float))
-            and math.isfinite(self.softmax_scale)
-            and self.softmax_scale > 0
-        ):
-            raise SpecError(
-                f"softmax_scale must be a positive finite float, got {self.softmax_scale!r}"
-            )
+        if self.softmax_scale is not None:
+            scale = finite_float(self.softmax_scale)
+            if scale is None or not 0 < scale <= MAX_SOFTMAX_SCALE:
+                raise SpecError(
+                    "softmax_scale must be a positive finite float of at most "
+                    f"{MAX_SOFTMAX_SCALE:g} (some kernels multiply Q and K by its square root in "
+                    f"the input dtype), or None for 1/sqrt(head_dim); got "
+                    f"{shown(self.softmax_scale)}"
+                )
         if self.headwise is not None:
             if not isinstance(self.headwise, HeadwiseConfig):
                 raise SpecError("AttentionSpec.headwise must be a HeadwiseConfig or None")

@@ -158,13 +158,14 @@ def test_rope_spec_checks_scaling_against_its_rotated_dims():
         ab.RopeSpec(1e4, rotary_dim=32, scaling=RULES["longrope"])
     with pytest.raises(ab.SpecError, match="rotary_dim > 2"):
         ab.RopeSpec(1e4, rotary_dim=2, scaling=RULES["dynamic"])
-    # With rotary_dim None the head decides: checked when the frequencies are built.
-    spec = ab.AttentionSpec(
-        2, 2, 32, torch.float32, True, rope=ab.RopeSpec(1e4, scaling=RULES["longrope"])
-    )
+    # With rotary_dim None the head decides: checked when the spec is built, not in prepare.
     with pytest.raises(ab.SpecError, match="one factor per pair"):
-        apply_torch_pass(
-            torch.randn(4, spec.qkv_width), spec, ab.FMHAParams.from_lengths([4], device="cpu")
+        ab.AttentionSpec(
+            2, 2, 32, torch.float32, True, rope=ab.RopeSpec(1e4, scaling=RULES["longrope"])
+        )
+    with pytest.raises(ab.SpecError, match="rotary_dim > 2"):
+        ab.AttentionSpec(
+            2, 2, 2, torch.float32, True, rope=ab.RopeSpec(1e4, scaling=RULES["dynamic"])
         )
 
 

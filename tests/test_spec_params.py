@@ -64,8 +64,8 @@ def test_spec_rejects(kw, match):
     [
         ({"theta": 0.5}, "must be > 1"),
         ({"theta": float("inf")}, "finite"),
-        ({"theta": 1e4, "rotary_dim": 3}, "positive even"),
-        ({"theta": 1e4, "rotary_dim": 0}, "positive even"),
+        ({"theta": 1e4, "rotary_dim": 3}, "even int >= 0"),
+        ({"theta": 1e4, "rotary_dim": -2}, "even int >= 0"),
     ],
 )
 def test_rope_spec_rejects(kw, match):
