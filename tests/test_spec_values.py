@@ -309,6 +309,24 @@ def test_rope_scaling_flag_mistakes_are_one_line_naming_the_flag(capsys, scaling
         assert fragment in err
 
 
+def test_check_reports_a_rule_that_cannot_compute_as_a_usage_error(capsys):
+    """Exit 1 means wrong numbers or no backend; a rule that divides by zero is the user's
+    value, refused before any backend runs."""
+    pairs = [1.0] * 64  # head dim 128 of preset short
+    scaling = {
+        "rope_type": "longrope",
+        "factor": 4,
+        "original_max_position_embeddings": 1,
+        "short_factor": pairs,
+        "long_factor": pairs,
+    }
+    argv = ["check", "--preset", "short", "--device", "cpu", "--rope-scaling", json.dumps(scaling)]
+    code = main(argv)
+    out, err = capsys.readouterr()
+    assert code == 2 and out == "" and err.count("\n") == 1
+    assert "--rope-scaling" in err and "context of 1" in err
+
+
 def test_rope_theta_flag_has_the_specs_bound(capsys):
     code = main(["explain", "--preset", "short", "--platform", "cpu", "--rope-theta", "1e38"])
     _, err = capsys.readouterr()
