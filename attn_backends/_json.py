@@ -1,8 +1,11 @@
-"""JSON output of ``attn-backends``: always valid JSON, even when a number is not finite.
+"""The one JSON convention of this library for numbers that are not finite.
 
-Python's `json` writes ``NaN`` and ``Infinity``, which other parsers reject. A non-finite float
-in a record becomes ``null``, and a sibling key ``<key>_not_finite`` keeps what it was
-(``"nan"``, ``"inf"`` or ``"-inf"``), so a reader can tell "not measured" from "blew up".
+Python's `json` writes ``NaN`` and ``Infinity``, which other parsers reject. Everything this
+library writes as JSON (the command line's output, a rank's decision sent to the other ranks,
+decision fingerprints) goes through `json_safe`: a non-finite float in a record becomes
+``null``, and a sibling key ``<key>_not_finite`` keeps what it was (``"nan"``, ``"inf"`` or
+``"-inf"``), so a reader can tell "not measured" from "blew up". In a list there is no sibling
+to hold it: the item is ``null``.
 """
 
 from __future__ import annotations
@@ -11,6 +14,11 @@ import json
 import math
 
 NOT_FINITE_SUFFIX = "_not_finite"
+
+
+def json_safe(value: object) -> object:
+    """``value`` with every non-finite float replaced by the convention above."""
+    return _finite(value)
 
 
 def _finite(value: object) -> object:
@@ -32,6 +40,7 @@ def _finite_dict(record: dict[object, object]) -> dict[object, object]:
     return out
 
 
-def dumps(record: object) -> str:
-    """``record`` as indented, strictly valid JSON (no NaN/Infinity tokens)."""
-    return json.dumps(_finite(record), indent=2, allow_nan=False)
+def dumps(record: object, *, indent: int | None = 2) -> str:
+    """``record`` as strictly valid JSON (no NaN/Infinity tokens), indented unless
+    ``indent=None``."""
+    return json.dumps(_finite(record), indent=indent, allow_nan=False)
