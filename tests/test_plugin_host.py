@@ -795,7 +795,8 @@ class _RopePlugin:
     @ab.hookimpl
     def attn_backends_register(self, host_api_version: str) -> ab.PluginManifest:
         twin = type("Twin", (torch_sdpa.TorchSdpaBackend,), {"name": self.backend})()
-        return ab.PluginManifest("1.0", backends=[twin], rope_passes=list(self.passes))  # type: ignore[list-item]
+        passes: list[ab.RopePass] = list(self.passes)  # type: ignore[arg-type]  # malformed on purpose
+        return ab.PluginManifest("1.0", backends=[twin], rope_passes=passes)
 
 
 def _never_applied(packed: torch.Tensor, spec: ab.AttentionSpec, params: ab.FMHAParams) -> bool:
@@ -806,23 +807,36 @@ def _fine(spec: ab.AttentionSpec, platform: ab.Platform) -> str | None:
     return None
 
 
-def _raises(spec: ab.AttentionSpec, platform: ab.Platform) -> str | None:
+def _refusal_raises(spec: ab.AttentionSpec, platform: ab.Platform) -> str | None:
     raise RuntimeError("vendor table corrupt")
+
+
+def _answers_int(spec: ab.AttentionSpec, platform: ab.Platform) -> object:
+    return 3
 
 
 _GOOD = ab.RopePass("vendor-rope", (("cpu", 1000),), "vendor", _fine, _never_applied)
 
 MALFORMED_PASSES: dict[str, tuple[object, str]] = {
-    "float-rank": (dataclasses.replace(_GOOD, ranks=(("cpu", 1.5),)), "('cpu', 1.5) is not a"),
+    "float-rank": (
+        dataclasses.replace(_GOOD, ranks=(("cpu", 1.5),)),  # type: ignore[arg-type]
+        "('cpu', 1.5) is not a",
+    ),
     "bool-rank": (dataclasses.replace(_GOOD, ranks=(("cpu", True),)), "('cpu', True) is not a"),
-    "ranks-none": (dataclasses.replace(_GOOD, ranks=None), "ranks must be a non-empty tuple"),
-    "unknown-kind": (dataclasses.replace(_GOOD, ranks=(("tpu", 1),)), "('tpu', 1) is not a"),
+    "ranks-none": (
+        dataclasses.replace(_GOOD, ranks=None),  # type: ignore[arg-type]
+        "ranks must be a non-empty tuple",
+    ),
+    "unknown-kind": (
+        dataclasses.replace(_GOOD, ranks=(("tpu", 1),)),  # type: ignore[arg-type]
+        "('tpu', 1) is not a",
+    ),
     "refusal-raises": (
-        dataclasses.replace(_GOOD, refusal=_raises),
+        dataclasses.replace(_GOOD, refusal=_refusal_raises),
         "refusal() raised RuntimeError: vendor table corrupt",
     ),
     "refusal-answers-int": (
-        dataclasses.replace(_GOOD, refusal=lambda spec, platform: 3),
+        dataclasses.replace(_GOOD, refusal=_answers_int),  # type: ignore[arg-type]
         "refusal() returned int",
     ),
     "in-kernel-name": (dataclasses.replace(_GOOD, name="fused"), "cannot be named 'fused'"),
