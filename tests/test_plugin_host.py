@@ -29,7 +29,7 @@ import torch
 from attn_backends_builtin import torch_sdpa
 
 import attn_backends as ab
-from attn_backends import _isolation, _validation, cli
+from attn_backends import _isolation, _preprocess, _rope_passes, _validation, cli
 from tests.plugin_site import PluginSite, open_site
 from tests.static_plugin import StaticPlugin
 
@@ -919,6 +919,10 @@ def test_a_manifest_pass_is_installed_with_its_plugin_and_leaves_with_its_regist
     assert "vendor-rope" not in _rope_pass_names()
     sel = ab.select(SPEC, device="cpu", backend="torch-sdpa", registry=reg)
     assert dict(sel.details)["preprocess"] == "torch", "a withdrawn pass is not chosen any more"
+
+
+def test_no_pass_can_take_an_in_kernel_mode_name() -> None:
+    assert _rope_passes.IN_KERNEL_NAMES == _preprocess.IN_KERNEL
 
 
 def test_the_flashinfer_plugin_brings_its_pass_in_its_manifest() -> None:
