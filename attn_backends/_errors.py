@@ -116,3 +116,10 @@ class IntegrationError(AttentionBackendError, ValueError):
 class FeatureNotSupportedError(IntegrationError, NotImplementedError):
     """A model asks for an attention feature the spec cannot express yet (sliding window, logit
     soft-cap, attention sinks). Use another attention implementation for that model for now."""
+
+
+class MaskMismatchError(IntegrationError):
+    """A model's own attention mask allows other keys than attn_backends would attend to for
+    that batch (a rule the spec cannot express, a padding hole under a sliding window, packed
+    sequences the model reads as one). The message names the model, the first differing cell
+    and what to change."""
