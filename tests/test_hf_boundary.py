@@ -300,6 +300,25 @@ def test_case4_4d_mask_rewritten_in_place_is_not_served_the_old_layout():
     assert _error(second[pad2], want[pad2]) <= tolerance, (_error(second[pad2], want[pad2]),)
 
 
+def test_case4_packed_boundaries_rewritten_in_place_without_the_mask_hook():
+    """No mask (a direct call): the layout comes from ``cu_seq_lens_q``'s content on every
+    call, so boundaries rewritten in place under inference_mode are the new ones."""
+    g = torch.Generator().manual_seed(8)
+    qkv = torch.randn(9, 3 * 2 * 16, generator=g)
+    q, k, v = (x.reshape(1, 9, 2, 16).transpose(1, 2) for x in qkv.split(32, dim=1))
+    spec = ab.AttentionSpec(
+        num_heads=2, num_kv_heads=2, head_dim=16, dtype=torch.float32, causal=True
+    )
+    layer = torch.nn.Module()
+    with torch.inference_mode():
+        cu = torch.tensor([0, 4, 9], dtype=torch.int32)
+        abt.attention_forward(layer, q, k, v, None, cu_seq_lens_q=cu)
+        cu.copy_(torch.tensor([0, 2, 9], dtype=torch.int32))
+        out, _ = abt.attention_forward(layer, q, k, v, None, cu_seq_lens_q=cu)
+    want = ab.reference_attention(qkv, spec, ab.FMHAParams.from_lengths([2, 7], device="cpu"))
+    assert ab.relative_error(out.reshape(9, -1), want) < 1e-5
+
+
 # --- 5. plans per backend and spec ------------------------------------------------------------
 
 

@@ -32,7 +32,7 @@ from __future__ import annotations
 import threading
 import weakref
 from collections import OrderedDict
-from collections.abc import Callable, Hashable
+from collections.abc import Callable, Hashable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -190,11 +190,12 @@ def _check_rows(
     return None
 
 
-def _check_segments(
+def _segment_tiles(
     model: ModelMask, layout: BatchLayout, causal: bool, window: SlidingWindow | None
-) -> Mismatch | None:
-    """Packed rows: each sequence's diagonal block, and on causal layers the key just before
-    it (which the model must not see either)."""
+) -> Iterator[tuple[int, int, int, torch.Tensor, torch.Tensor]]:
+    """Per tile of each packed sequence: ``(row, first query column, first key column, what
+    the model allows, where it differs)``. The keys are the sequence's own, plus on causal
+    layers the key just before it (which the model must not see either)."""
     device = layout.params.cu_seqlens_q.device
     for row, start, stop in layout.segments:
         n = stop - start
@@ -206,10 +207,21 @@ def _check_segments(
             allowed = model(row + 1, start + q0, q1 - q0, start - probe, n + probe)[row].to(device)
             queries = torch.arange(q0, q1, device=device)[:, None]
             want = (keys >= 0) & _rule(queries, keys, causal, window)
-            diff = allowed != want
-            if bool(diff.any()):
-                q, k = _first(diff)
-                return Mismatch(row, start + q0 + q, start - probe + k, bool(allowed[q, k]))
+            yield row, start + q0, start - probe, allowed, allowed != want
+
+
+def _check_segments(
+    model: ModelMask, layout: BatchLayout, causal: bool, window: SlidingWindow | None
+) -> Mismatch | None:
+    """Packed rows: one host sync for the whole batch, a second pass only to locate a
+    difference."""
+    flags = [diff.any() for *_, diff in _segment_tiles(model, layout, causal, window)]
+    if not bool(torch.stack(flags).any()):
+        return None
+    for row, q_col, k_col, allowed, diff in _segment_tiles(model, layout, causal, window):
+        if bool(diff.any()):
+            q, k = _first(diff)
+            return Mismatch(row, q_col + q, k_col + k, bool(allowed[q, k]))
     return None
 
 

@@ -51,7 +51,6 @@ from .._errors import IntegrationError, MaskMismatchError
 from .._selector import Selection, select
 from .._spec import AttentionSpec
 from . import _hf_features, _hf_mask, _hf_models, _layout
-from ._batch_cache import cached_layout
 from ._hf_mask import MaskRequest
 from ._layout import BatchLayout
 from ._packed import PackedBatch, mark_served, pack_sequences, unpack_hidden
@@ -332,20 +331,23 @@ def _unhooked_layout(
     batch: int, seq: int, device: torch.device, kwargs: Mapping[str, Any]
 ) -> BatchLayout:
     """No mask at all (the model built none through the hook): the kwargs pack the rows, or
-    each row is one sequence, as transformers' sdpa path reads a missing mask."""
+    each row is one sequence, as transformers' sdpa path reads a missing mask. Without the
+    hook nothing marks where a forward starts, so a packed layout is derived per call from the
+    kwargs' content (an inference tensor rewritten in place keeps no version to tell)."""
     packed = _packed_source(batch, seq, kwargs)
     if packed is not None:
         kind, source = packed
-        extra = (batch, seq, id(kwargs.get("cu_seq_lens_k")))
-        layout = cached_layout(
-            kind, source, extra, lambda: _packed_layout(kind, source, batch, seq, kwargs)
-        )
+        layout = _packed_layout(kind, source, batch, seq, kwargs)
         if layout.segments:
             mark_served(source)
         return layout
-    return cached_layout(
-        "full", None, (batch, seq, device), lambda: _layout.full_rows(batch, seq, device)
-    )
+    return _full_rows(batch, seq, device)
+
+
+@functools.lru_cache(maxsize=16)
+def _full_rows(batch: int, seq: int, device: torch.device) -> BatchLayout:
+    """Whole rows: the layout depends on the shape alone, so it is shared across batches."""
+    return _layout.full_rows(batch, seq, device)
 
 
 def _batch_layout(
