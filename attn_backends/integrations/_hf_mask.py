@@ -266,10 +266,11 @@ def _explain(
     )
     if segment_start and found.model_allows:
         why = (
-            "the model reads the packed row as one sequence (restarting position_ids with a "
-            "KV cache, use_cache=True, or cu_seq_lens with positions that do not restart). "
-            "Call the model with use_cache=False and position_ids that restart per sequence "
-            "(pack_sequences returns them)"
+            "the model's mask reads the packed row as one sequence: a KV cache "
+            "(use_cache=True), cu_seq_lens with position_ids that do not restart, or a model "
+            "that does not hand its position_ids to its mask. Call the model with "
+            "use_cache=False and position_ids that restart per sequence (pack_sequences "
+            "returns them), or pass a padded batch"
         )
     elif spec.window is not None and _has_hole(layout, found.row):
         why = (
