@@ -201,10 +201,12 @@ def test_declared_capabilities():
         torch.float8_e4m3fn,
     }
     assert ck.head_dims == frozenset(range(8, 257, 8)) and ck.fp8
-    assert ck.sliding_window and ck.window_right and ck.logit_softcap
-    assert ck.alibi and ck.alibi_bidirectional and ck.alibi_custom_slopes
-    assert not ck.alibi_with_softcap, "CK's order of ALiBi and the soft-cap is not documented"
-    assert not (asm.sliding_window or asm.logit_softcap or asm.alibi), "no ASM kernel has them"
+    assert ck.features == (
+        ab.WindowSupport(right=True),
+        ab.SoftcapSupport(),
+        ab.AlibiSupport(bidirectional=True, custom_slopes=True, with_softcap=False),
+    ), "CK's order of ALiBi and the soft-cap is not documented: not both on one spec"
+    assert asm.features == (), "no ASM kernel has windows, soft-capping or ALiBi"
     for caps in (asm, ck):
         assert caps.gqa and caps.causal and caps.bidirectional
         assert not caps.needs_contiguous and caps.requires == ("aiter",)
