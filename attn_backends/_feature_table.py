@@ -39,7 +39,7 @@ from ._features import (
     SlidingWindow,
     bloom_alibi_slopes,
     bounded_number,
-    same_in_float32,
+    same_slopes,
 )
 from ._reasons import Reason, ReasonCode
 
@@ -473,7 +473,7 @@ class AlibiFeature(Feature[AlibiSupport]):
         if alibi is None or alibi.slopes is None:
             return alibi
         bloom = bloom_alibi_slopes(spec.num_heads)
-        return AlibiSpec() if same_in_float32(alibi.slopes, bloom) else alibi
+        return AlibiSpec() if same_slopes(alibi.slopes, bloom) else alibi
 
     def explain(self, spec: AttentionSpec) -> str | None:
         return "alibi"

@@ -17,7 +17,7 @@ overflow or NaN; where the math needs a bound, the constructor says it:
 
 from __future__ import annotations
 
-import struct
+import math
 from dataclasses import dataclass
 
 from ._errors import SpecError
@@ -158,10 +158,17 @@ def bloom_alibi_slopes(num_heads: int) -> tuple[float, ...]:
     return tuple(slopes)
 
 
-def same_in_float32(a: tuple[float, ...], b: tuple[float, ...]) -> bool:
-    """Whether two slope lists are one list as kernels read them (float32)."""
+FLOAT32_SLOPE_TOLERANCE = 2.0**-22
+"""Relative: two float32 units in the last place. Kernels read slopes as float32, and the same
+slopes computed in float32 by another library (transformers' ``build_alibi_tensor`` raises a
+float32 base to integer powers) land one unit away from the float64 values rounded."""
+
+
+def same_slopes(a: tuple[float, ...], b: tuple[float, ...]) -> bool:
+    """Whether two slope lists are one list as kernels read them (float32, within rounding)."""
     return len(a) == len(b) and all(
-        struct.pack("<f", x) == struct.pack("<f", y) for x, y in zip(a, b, strict=True)
+        math.isclose(x, y, rel_tol=FLOAT32_SLOPE_TOLERANCE, abs_tol=0.0)
+        for x, y in zip(a, b, strict=True)
     )
 
 
@@ -172,8 +179,9 @@ class AlibiSpec:
     Causal specs add ``slope_h * (j - i)`` (BLOOM, MPT; the same softmax as BLOOM's
     ``slope_h * j``), bidirectional specs ``-slope_h * |i - j|`` (jina-embeddings-v2).
 
-    On an `AttentionSpec`, slopes equal to BLOOM's for its heads (compared in float32, as every
-    kernel reads them: transformers computes them in float32) are stored as ``None``, so one
+    On an `AttentionSpec`, slopes equal to BLOOM's for its heads (compared as every kernel reads
+    them, in float32, within its rounding: transformers computes them in float32) are stored as
+    ``None``, so one
     layer compares, hashes and fingerprints the same however it was written: ``AlibiSpec()``
     and BLOOM's slopes written out are one spec, across ranks too. ``None`` rather than the
     resolved list keeps the recorded form (``"bloom"``) and every earlier fingerprint.
