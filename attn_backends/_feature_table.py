@@ -22,7 +22,7 @@ one descriptor here (plus its field on `AttentionSpec`) and the plugins that ser
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, fields
 from typing import TYPE_CHECKING, Any, ClassVar, Generic, Literal, TypeVar
 
@@ -126,7 +126,7 @@ class CaseSketch:
     (the varlen RoPE case of the most precise dtype), and the batch to run it on."""
 
     name: str
-    fields: dict[str, object]
+    fields: Mapping[str, object]
     lengths: tuple[int, ...] | None = None
     """``None``: the suite's default varlen batch."""
     padding_rows: int = 0
@@ -138,7 +138,7 @@ class RefusalSketch:
     """A spec (fields set on the suite's refusal base) a backend must refuse with ``code``."""
 
     name: str
-    fields: dict[str, object]
+    fields: Mapping[str, object]
     code: ReasonCode
 
 

@@ -12,12 +12,14 @@ from __future__ import annotations
 from dataclasses import replace
 
 from attn_backends import PluginManifest, hookimpl
-from attn_backends_builtin.flex import FlexBackend, FlexPlan
+from attn_backends_builtin.flex import COMPILE_STATE, FlexBackend, FlexPlan
 
 API_VERSION = "1.0"
 
 HeadwisePlan = FlexPlan
 """The plan type of the former backend: flex's."""
+
+__all__ = ["COMPILE_STATE", "HeadwiseBackend", "HeadwisePlan", "attn_backends_register"]
 
 
 class HeadwiseBackend(FlexBackend):
