@@ -128,10 +128,10 @@ def test_explain_kv_cache_fails_with_reason(capsys):
 
 def test_explicit_backend_that_does_not_fit_is_a_no_not_a_usage_error(capsys):
     code, out, err = run(
-        capsys, "explain", "--preset", "short", "--backend", "headwise", "--device", "cpu"
+        capsys, "explain", "--preset", "short", "--backend", "trt", "--device", "cpu"
     )
     assert (code, out) == (1, "")
-    assert "NoBackendError" in err and "headwise" in err and "[headwise]" in err
+    assert "NoBackendError" in err and "trt" in err and "[platform]" in err
 
 
 def test_list_shows_backends_and_capabilities(capsys):
