@@ -224,7 +224,7 @@ def test_fp8_with_rope_is_refused_since_aiter_quantises_before_rotating():
     spec = spec_of(torch.float8_e4m3fnuz, rope=rope)
     reasons = aiter_plugin.AiterNonAsmBackend().supports(spec, GFX942)
     assert ab.ReasonCode.FP8 in {r.code for r in reasons}, reasons
-    assert "fp8_preprocess" in " ".join(r.message for r in reasons)
+    assert "Fp8Support(preprocess=True)" in " ".join(r.message for r in reasons)
 
 
 @pytest.mark.parametrize(
