@@ -596,7 +596,9 @@ def test_list_text_shows_every_declared_capability(capsys):
             elif value is not None:
                 assert f"{key}: {value}" in lines, (entry.name, key)
     sdpa = next(b for b in blocks if b.startswith("torch-sdpa  ["))
-    assert "sliding_window" in sdpa and "alibi" in sdpa and "logit_softcap" in sdpa
+    assert "features: {'window': {'right': True}, 'alibi': {'bidirectional': True" in sdpa
+    flex = next(b for b in blocks if b.startswith("flex  ["))
+    assert "'logit_softcap': {}" in flex and "'headwise': {}" in flex
 
 
 def test_python_dash_m_runs_the_command():
