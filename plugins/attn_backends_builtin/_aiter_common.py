@@ -29,10 +29,9 @@ from attn_backends import (
     FMHAParams,
     ParamsError,
     Platform,
-    PrefillBackend,
     PrefillPlan,
-    QKVViews,
 )
+from attn_backends.plugin import PrefillBackend, QKVViews
 
 from ._aiter_binding import (
     AITER_RELEASES_CHECKED,

@@ -23,7 +23,8 @@ import os
 
 import torch
 
-from attn_backends import AttentionSpec, Reason, ReasonCode
+from attn_backends import AttentionSpec
+from attn_backends.plugin import Reason, ReasonCode
 
 SOFTCAP_FORMULA_ENV = "CK_TILE_ATTENTION_LOGITS_SOFT_CAP_DEFAULT"
 """Chooses CK's soft-cap formula when aiter builds its kernels: 0 (or unset) tanh, 1 softsign."""

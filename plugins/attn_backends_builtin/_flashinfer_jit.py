@@ -12,7 +12,7 @@ from typing import Any
 
 import torch
 
-from attn_backends import KernelModule
+from attn_backends.plugin import KernelModule
 
 from ._flashinfer_common import JitKind, JitModule
 

@@ -10,7 +10,8 @@ from __future__ import annotations
 
 import torch
 
-from attn_backends import AttentionSpec, FMHAParams, Platform, RopePass, dtype_name
+from attn_backends import AttentionSpec, FMHAParams, Platform
+from attn_backends.plugin import RopePass, dtype_name
 
 from ._flashinfer_common import is_aligned
 

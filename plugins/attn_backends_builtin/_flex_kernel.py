@@ -19,7 +19,8 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from attn_backends import BackendFailure, Reason, ReasonCode
+from attn_backends import BackendFailure
+from attn_backends.plugin import Reason, ReasonCode
 
 if TYPE_CHECKING:
     from torch.nn.attention.flex_attention import BlockMask

@@ -24,11 +24,10 @@ from __future__ import annotations
 
 import torch
 
-from attn_backends import (
+from attn_backends import AttentionSpec, Platform
+from attn_backends.plugin import (
     AlibiSupport,
-    AttentionSpec,
     Capabilities,
-    Platform,
     PluginManifest,
     PriorityRule,
     Reason,

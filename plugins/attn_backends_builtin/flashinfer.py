@@ -51,16 +51,12 @@ from typing import Any
 
 import torch
 
-from attn_backends import (
+from attn_backends import AttentionSpec, BackendFailure, FMHAParams, GraphBucket, Platform
+from attn_backends.plugin import (
     AlibiSupport,
     AnyPlan,
-    AttentionSpec,
-    BackendFailure,
     Capabilities,
-    FMHAParams,
-    GraphBucket,
     KernelModule,
-    Platform,
     PluginManifest,
     PrefillBackend,
     PriorityRule,

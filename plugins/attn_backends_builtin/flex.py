@@ -34,17 +34,13 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from attn_backends import (
+from attn_backends import AttentionSpec, BackendFailure, FMHAParams, Platform, PrefillPlan
+from attn_backends.plugin import (
     AlibiSupport,
-    AttentionSpec,
-    BackendFailure,
     Capabilities,
-    FMHAParams,
     HeadwiseSupport,
-    Platform,
     PluginManifest,
     PrefillBackend,
-    PrefillPlan,
     PriorityRule,
     QKVViews,
     Reason,

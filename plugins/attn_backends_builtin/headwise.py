@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from dataclasses import replace
 
-from attn_backends import PluginManifest, hookimpl
+from attn_backends.plugin import PluginManifest, hookimpl
 from attn_backends_builtin.flex import COMPILE_STATE, FlexBackend, FlexPlan
 
 API_VERSION = "1.0"

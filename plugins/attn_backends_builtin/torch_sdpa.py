@@ -18,15 +18,12 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from attn_backends import (
+from attn_backends import AttentionSpec, BackendFailure, FMHAParams, PrefillPlan
+from attn_backends.plugin import (
     AlibiSupport,
-    AttentionSpec,
-    BackendFailure,
     Capabilities,
-    FMHAParams,
     PluginManifest,
     PrefillBackend,
-    PrefillPlan,
     PriorityRule,
     QKVViews,
     WindowSupport,

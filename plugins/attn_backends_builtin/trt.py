@@ -26,17 +26,13 @@ from typing import Literal
 
 import torch
 
-from attn_backends import (
-    AttentionSpec,
-    BackendFailure,
+from attn_backends import AttentionSpec, BackendFailure, FMHAParams, Platform, PrefillPlan
+from attn_backends.plugin import (
     Capabilities,
-    FMHAParams,
     InputLayout,
     KernelModule,
-    Platform,
     PluginManifest,
     PrefillBackend,
-    PrefillPlan,
     PriorityRule,
     QKVViews,
     dtype_name,

@@ -12,14 +12,8 @@ from dataclasses import dataclass
 
 import torch
 
-from attn_backends import (
-    AttentionSpec,
-    Capabilities,
-    FMHAParams,
-    PrefillBackend,
-    PrefillPlan,
-    QKVViews,
-)
+from attn_backends import AttentionSpec, FMHAParams, PrefillPlan
+from attn_backends.plugin import Capabilities, PrefillBackend, QKVViews
 
 
 @dataclass(frozen=True, eq=False)

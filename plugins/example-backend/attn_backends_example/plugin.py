@@ -3,7 +3,7 @@ attn-backends imports it, calls the hook once and records the result (``attn-bac
 
 from __future__ import annotations
 
-from attn_backends import PluginManifest, hookimpl
+from attn_backends.plugin import PluginManifest, hookimpl
 
 from .backend import MatmulSoftmaxBackend
 

@@ -1,0 +1,58 @@
+"""The face for code that extends attn-backends: backend plugins and ``attn-backends`` subcommands.
+
+Engines import `attn_backends`; a plugin imports the shared values from there (`AttentionSpec`,
+`FMHAParams`, `Platform`, `PrefillPlan`, the errors) and what only an author needs from here:
+the base class and its plan types, capabilities as data, structured refusals, the hook that
+registers backends, RoPE passes, and the entry-point groups. The built-in plugins use this
+module and `attn_backends` only; an import-linter contract keeps it that way.
+"""
+
+from __future__ import annotations
+
+from ._backend import PrefillBackend
+from ._capabilities import Capabilities, PriorityRule, check_capabilities
+from ._contract import AnyPlan, InputLayout, QKVViews
+from ._dtypes import dtype_name
+from ._feature_table import (
+    AlibiSupport,
+    FeatureSupport,
+    Fp8Support,
+    HeadwiseSupport,
+    MlaSupport,
+    SoftcapSupport,
+    WindowSupport,
+)
+from ._features import bloom_alibi_slopes
+from ._hooks import ENTRY_POINT_GROUP, PLUGIN_API_VERSION, PluginManifest, hookimpl
+from ._kernels import KernelModule
+from ._preprocess import RopePass, preprocess_mode, register_rope_pass
+from ._reasons import Reason, ReasonCode
+
+__all__ = [
+    "ENTRY_POINT_GROUP",
+    "PLUGIN_API_VERSION",
+    "AlibiSupport",
+    "AnyPlan",
+    "Capabilities",
+    "FeatureSupport",
+    "Fp8Support",
+    "HeadwiseSupport",
+    "InputLayout",
+    "KernelModule",
+    "MlaSupport",
+    "PluginManifest",
+    "PrefillBackend",
+    "PriorityRule",
+    "QKVViews",
+    "Reason",
+    "ReasonCode",
+    "RopePass",
+    "SoftcapSupport",
+    "WindowSupport",
+    "bloom_alibi_slopes",
+    "check_capabilities",
+    "dtype_name",
+    "hookimpl",
+    "preprocess_mode",
+    "register_rope_pass",
+]
