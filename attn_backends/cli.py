@@ -22,6 +22,7 @@ from . import __version__, _cli_args
 from ._canary import run_canary
 from ._capabilities import check_platform
 from ._cli_args import CommandLineError, CommandParser, unrecognized
+from ._cli_commands import installed_subcommands
 from ._cli_json import dumps
 from ._cli_spec import spec_from_args
 from ._errors import (
@@ -36,7 +37,6 @@ from ._presets import PRESETS
 from ._registry import get_registry
 from ._selector import BACKEND_ENV, Selection, SelectRequest, select_request
 from ._warmup import warmup
-from .bench import cli as bench_cli
 
 __all__ = ["build_parser", "main", "spec_from_args"]
 
@@ -385,11 +385,12 @@ def _build() -> tuple[CommandParser, dict[str, CommandParser]]:
         help="cpu, cuda or cuda:<index> (default: cuda when available)",
     )
     p_warmup.set_defaults(func=cmd_warmup)
-    p_bench = sub.add_parser(
-        "bench", help="benchmark the no-cache prefill paths on a CUDA GPU", allow_abbrev=False
-    )
-    bench_cli.add_arguments(p_bench)
-    p_bench.set_defaults(func=bench_cli.run)
+    for name, command in installed_subcommands(sub.choices).items():  # bench, when installed
+        p_extra = sub.add_parser(
+            name, help=command.help, description=command.description, allow_abbrev=False
+        )
+        command.add_arguments(p_extra)
+        p_extra.set_defaults(func=command.run)
     return parser, dict(sub.choices)
 
 

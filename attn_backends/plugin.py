@@ -11,6 +11,7 @@ from __future__ import annotations
 
 from ._backend import PrefillBackend
 from ._capabilities import Capabilities, PriorityRule, check_capabilities
+from ._cli_commands import COMMAND_GROUP, Subcommand
 from ._contract import AnyPlan, InputLayout, QKVViews
 from ._dtypes import dtype_name
 from ._feature_table import (
@@ -29,6 +30,7 @@ from ._preprocess import RopePass, preprocess_mode, register_rope_pass
 from ._reasons import Reason, ReasonCode
 
 __all__ = [
+    "COMMAND_GROUP",
     "ENTRY_POINT_GROUP",
     "PLUGIN_API_VERSION",
     "AlibiSupport",
@@ -48,6 +50,7 @@ __all__ = [
     "ReasonCode",
     "RopePass",
     "SoftcapSupport",
+    "Subcommand",
     "WindowSupport",
     "bloom_alibi_slopes",
     "check_capabilities",

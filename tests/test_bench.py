@@ -17,19 +17,8 @@ import weakref
 import pytest
 import torch
 import torch.nn.functional as F
-
-from attn_backends import (
-    TOLERANCE,
-    AttentionSpec,
-    FMHAParams,
-    GraphBucket,
-    Platform,
-    RopeSpec,
-    reference_attention,
-    relative_error,
-)
-from attn_backends.bench import cli, report
-from attn_backends.bench.graphs import (
+from attn_backends_bench import cli, ragged, report
+from attn_backends_bench.graphs import (
     GraphChoice,
     GraphTarget,
     bucket_for,
@@ -38,14 +27,14 @@ from attn_backends.bench.graphs import (
     choose_graph_backend,
     open_graph,
 )
-from attn_backends.bench.interleave import (
+from attn_backends_bench.interleave import (
     ROUNDS,
     TimingPlan,
     Timings,
     alternating,
     time_interleaved,
 )
-from attn_backends.bench.legacy import (
+from attn_backends_bench.legacy import (
     ROPE_TEXT,
     LegacyRope,
     build_legacy,
@@ -53,7 +42,7 @@ from attn_backends.bench.legacy import (
     legacy_variants,
     paged_cache,
 )
-from attn_backends.bench.paths import (
+from attn_backends_bench.paths import (
     PreparedPath,
     Skip,
     Unsupported,
@@ -63,8 +52,9 @@ from attn_backends.bench.paths import (
     rotated,
     with_batch_preprocess,
 )
-from attn_backends.bench.raw import RawRecipe, build_raw, raw_recipe
-from attn_backends.bench.results import (
+from attn_backends_bench.ragged import RAGGED_KERNEL, flashinfer_ragged, kernel_name
+from attn_backends_bench.raw import ApiPlan, RawRecipe, build_raw, raw_recipe
+from attn_backends_bench.results import (
     MODES,
     BenchResult,
     Ceilings,
@@ -78,16 +68,17 @@ from attn_backends.bench.results import (
     path_metrics,
     rope_cost,
 )
-from attn_backends.bench.runner import BenchConfig, run_benchmark
-from attn_backends.bench.targets import evaluate_targets
-from attn_backends.bench.timing import (
+from attn_backends_bench.runner import BenchConfig, run_benchmark
+from attn_backends_bench.targets import evaluate_targets
+from attn_backends_bench.timing import (
     MAX_HOST_CALLS,
     host_calls,
     host_timing,
     time_host_calls,
     time_latency,
 )
-from attn_backends.bench.workloads import (
+from attn_backends_bench.workloads import (
+    LAYERS,
     WORKLOADS,
     Targets,
     attention_bytes,
@@ -96,6 +87,20 @@ from attn_backends.bench.workloads import (
     rope_bytes,
     workload_names,
 )
+
+from attn_backends import (
+    TOLERANCE,
+    AlibiSpec,
+    AttentionSpec,
+    FMHAParams,
+    GraphBucket,
+    Platform,
+    RopeScaling,
+    RopeSpec,
+    reference_attention,
+    relative_error,
+)
+from attn_backends.plugin import COMMAND_GROUP, Subcommand
 from tests.fakes import fake_flashinfer_rope
 from tests.fakes.fake_flashinfer import install as install_fake_flashinfer
 
@@ -1160,22 +1165,27 @@ def test_runner_records_graph_mode_not_supported_with_its_reasons():
 # --- the raw kernel ---------------------------------------------------------------------------
 
 
+def _api(backend, preprocess, kernel=RAGGED_KERNEL) -> ApiPlan:
+    details = {"preprocess": preprocess} if preprocess is not None else {}
+    return ApiPlan.from_record(backend, {**details, "kernel": kernel} if kernel else details)
+
+
 def test_raw_recipe_mirrors_the_api_plan():
     cpu = torch.device("cpu")
-    assert raw_recipe("flashinfer-rope", "fused", GQA_ROPE, cpu) == RawRecipe("fa2", "fused")
-    assert raw_recipe("flashinfer", "native", GQA_ROPE, cpu) == RawRecipe("fa2", "native")
+    assert raw_recipe(_api("flashinfer-rope", "fused"), GQA_ROPE, cpu) == RawRecipe("fa2", "fused")
+    assert raw_recipe(_api("flashinfer", "native"), GQA_ROPE, cpu) == RawRecipe("fa2", "native")
     assert RawRecipe("fa2", "fused").details()["pos_encoding_mode"] == "ROPE_LLAMA"
     assert RawRecipe("fa3", "native").details() == {
         "flashinfer_backend": "fa3",
         "pos_encoding_mode": "NONE",
         "rope": "attn_backends native rope_logn_, in place on the packed rows",
     }
-    for backend, preprocess, why in (
-        ("trt", "none", "the public API runs trt"),
-        (None, None, "the public API runs nothing"),
-        ("flashinfer", "no-such-pass", "'no-such-pass' is not registered"),
+    for api, why in (
+        (_api("trt", "none", "flashinfer.trtllm_fmha_v2_prefill"), "the public API runs trt"),
+        (_api(None, None, None), "the public API runs nothing"),
+        (_api("flashinfer", "no-such-pass"), "'no-such-pass' is not registered"),
     ):
-        skip = raw_recipe(backend, preprocess, GQA_ROPE, cpu)
+        skip = raw_recipe(api, GQA_ROPE, cpu)
         assert isinstance(skip, Skip) and why in skip.reason
 
 
@@ -1330,3 +1340,119 @@ def test_graph_mode_refusals_become_not_supported_reasons():
     capable, *rest = auto.reason.split(" | ")
     assert capable.startswith("flashinfer: [platform]")  # graph-capable, but not on a CPU
     assert rest[-1].startswith("without graph mode: ") and "torch-sdpa" in rest[-1]
+
+
+# --- outside the core: what the benchmark takes from the plugins and the CLI -------------------
+
+
+def test_workload_layers_are_the_cli_presets_of_the_same_name():
+    """The bench keeps its own table (the core's is private); a workload must still measure the
+    layer ``attn-backends explain --preset NAME`` explains."""
+    from attn_backends._presets import PRESETS  # private: the test may look, the bench may not
+
+    assert set(LAYERS) <= set(PRESETS)
+    assert {name: PRESETS[name] for name in LAYERS} == LAYERS
+    assert {w.preset for w in WORKLOADS} <= set(LAYERS)
+
+
+def test_the_ragged_kernel_is_the_one_the_flashinfer_plugin_chooses(monkeypatch):
+    """fa2 or fa3 is the plugin's rule, ALiBi included (the bench's own copy of the rule had
+    lost it and named fa3, which ignores ALiBi, for an ALiBi spec on Hopper)."""
+    monkeypatch.setattr(ragged, "device_sm", lambda device: 90)
+    hopper = torch.device("cuda")
+    plain = AttentionSpec(16, 8, 128, torch.bfloat16, causal=True)
+    assert kernel_name(plain, hopper) == "fa3"
+    assert kernel_name(plain, hopper, fused_rope=True) == "fa2"
+    assert kernel_name(dataclasses.replace(plain, head_dim=96), hopper) == "fa2"
+    assert kernel_name(dataclasses.replace(plain, alibi=AlibiSpec()), hopper) == "fa2"
+    monkeypatch.setattr(ragged, "device_sm", lambda device: 80)
+    assert kernel_name(plain, hopper) == "fa2"
+
+
+def test_the_ragged_kernel_gets_the_plugins_workspace_or_skips_without_the_plugin(monkeypatch):
+    from attn_backends_builtin.flashinfer import WORKSPACE_BYTES
+
+    fake = install_fake_flashinfer(monkeypatch)
+    spec = SPECS[1]
+    params, _, _ = _case(spec, LENGTHS)
+    assert callable(flashinfer_ragged(spec, params))
+    (init,) = fake.named("BatchPrefillWithRaggedKVCacheWrapper.__init__")
+    assert init.args["float_workspace_buffer"].numel() == WORKSPACE_BYTES
+
+    class WithoutFlashinfer:
+        def get(self, name):
+            return None
+
+    monkeypatch.setattr(ragged, "get_registry", WithoutFlashinfer)
+    skip = flashinfer_ragged(spec, params)
+    assert isinstance(skip, Skip) and "flashinfer plugin is not loaded" in skip.reason
+
+
+def test_the_raw_baseline_follows_the_kernel_the_api_record_names():
+    cpu = torch.device("cpu")
+    flex = _api("flex", "torch", "torch.nn.attention.flex_attention")
+    skip = raw_recipe(flex, GQA_ROPE, cpu)
+    assert isinstance(skip, Skip) and "the public API runs flex" in skip.reason
+    # any backend whose plan runs the ragged wrapper gets the raw baseline, whatever its name
+    assert raw_recipe(_api("my-flashinfer", "torch"), GQA_ROPE, cpu) == RawRecipe("fa2", "torch")
+
+
+@pytest.mark.parametrize(
+    "spec",
+    [
+        dataclasses.replace(GQA_ROPE, use_logn_attn=True, logn_base=16),
+        dataclasses.replace(
+            GQA_ROPE, rope=RopeSpec(theta=1e6, scaling=RopeScaling("linear", factor=2.0))
+        ),
+    ],
+    ids=["logn", "linear-scaling"],
+)
+def test_raw_torch_rope_beyond_plain_theta_goes_through_the_torch_pass(spec, monkeypatch):
+    """The bench's own torch tables compute plain theta RoPE; logn and scaled RoPE are the
+    registered torch pass's, called through its apply."""
+    install_fake_flashinfer(monkeypatch)
+    params, qkv, ref = _case(spec, LENGTHS, seed=11)
+    path = build_raw(spec, params, RawRecipe("fa2", "torch"))
+    assert isinstance(path, PreparedPath)
+    assert relative_error(path.run(qkv.clone()), ref) < TOLERANCE[spec.dtype]
+
+
+def test_pyproject_declares_the_bench_subcommand_entry_point():
+    """``attn-backends bench`` exists because of this entry point: the core never imports the
+    benchmark."""
+    from importlib.metadata import EntryPoint
+    from pathlib import Path
+
+    import tomllib
+
+    project = tomllib.loads((Path(__file__).parents[1] / "pyproject.toml").read_text())["project"]
+    value = project["entry-points"][COMMAND_GROUP]["bench"]
+    assert value == "attn_backends_bench.cli:COMMAND"
+    command = EntryPoint("bench", value, COMMAND_GROUP).load()
+    assert command is cli.COMMAND and isinstance(command, Subcommand)
+    assert command.run is cli.run and command.add_arguments is cli.add_arguments
+
+
+@pytest.fixture
+def bench_installed(monkeypatch):
+    """The core CLI's entry points as an installed distribution declares them."""
+    from importlib.metadata import EntryPoint
+
+    from attn_backends import _cli_commands
+
+    entry = EntryPoint("bench", "attn_backends_bench.cli:COMMAND", COMMAND_GROUP)
+    monkeypatch.setattr(_cli_commands, "entry_points", lambda group: [entry])
+
+
+def test_attn_backends_bench_runs_the_benchmark_through_the_core_cli(
+    bench_installed, monkeypatch, capsys, tmp_path
+):
+    from attn_backends import cli as core_cli
+
+    assert core_cli.main(["bench", "--iters", "3"]) == 2
+    assert "--iters" in capsys.readouterr().err
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    assert core_cli.main(["bench", "--out", str(tmp_path / "out")]) == 2
+    assert "no CUDA device" in capsys.readouterr().err
+    assert core_cli.main(["bench", "--help"]) == 0
+    assert "--time-budget-s" in capsys.readouterr().out

@@ -1,4 +1,4 @@
-"""``python -m attn_backends.bench``: the same command as ``attn-backends bench``."""
+"""``python -m attn_backends_bench``: the same command as ``attn-backends bench``."""
 
 from __future__ import annotations
 

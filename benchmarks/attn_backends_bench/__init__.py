@@ -8,6 +8,11 @@ timed in four modes (host µs, latency, throughput, graph replay). Each path is 
 the float64 reference before it is timed, and judged against the machine's floor and the
 project's targets.
 
+It lives outside the ``attn_backends`` package and uses its two public faces only
+(``attn_backends``, ``attn_backends.plugin``); what it knows about a backend's kernel (fa2 or
+fa3, the workspace, where flashinfer's RoPE serves) it asks the built-in plugins. The core's
+CLI offers it as ``attn-backends bench`` through the ``attn_backends.commands`` entry point.
+
 Importing this package needs only torch; matplotlib and the GPU libraries load on use.
 """
 

@@ -28,11 +28,10 @@ from attn_backends import (
     GraphModeError,
     GraphPlan,
     NoBackendError,
-    PrefillBackend,
-    ReasonCode,
     relative_error,
     select,
 )
+from attn_backends.plugin import PrefillBackend, ReasonCode
 
 from .paths import Unsupported, refusal_text, with_batch_preprocess
 from .timing import synchronize

@@ -11,7 +11,8 @@ contract). The timed calls therefore rotate their input again on each call: the 
 the work does not. The other paths leave their input untouched.
 
 This module holds the shared pieces, the public API, padded SDPA and ``varlen_attn``; the
-legacy path is in `legacy`, the raw kernel in `raw`, graph replay in `graphs`.
+legacy path is in `legacy`, the raw kernel in `raw` (flashinfer's ragged kernel, which both
+call, in `ragged`), graph replay in `graphs`.
 """
 
 from __future__ import annotations
@@ -23,15 +24,11 @@ from dataclasses import dataclass, field
 import torch
 import torch.nn.functional as F
 
-from attn_backends import AttentionSpec, FMHAParams, NoBackendError, select, split_views
+from attn_backends import AttentionSpec, FMHAParams, NoBackendError, select
 
 from .timing import synchronize, time_host
 
 Run = Callable[[torch.Tensor], torch.Tensor]
-RaggedKernel = Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
-"""``(q [T, Hq, D], k [T, Hkv, D], v [T, Hkv, D]) -> [T, Hq, D]`` over the batch's sequences."""
-
-FLASHINFER_WORKSPACE_BYTES = 128 << 20
 TORCH_OUT_OF_PLACE = "torch ops, out of place (Hugging Face style)"
 
 
@@ -56,6 +53,15 @@ class Unsupported:
     """Graph mode is not served here (the backend or its RoPE pass cannot be replayed)."""
 
     reason: str
+
+
+def qkv_views(
+    packed: torch.Tensor, spec: AttentionSpec, tokens: int
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Q, K, V as ``[tokens, heads, D]`` views of the first ``tokens`` packed rows (no copy)."""
+    rows = packed[:tokens].view(tokens, spec.num_heads + 2 * spec.num_kv_heads, spec.head_dim)
+    q, k, v = rows.split_with_sizes((spec.num_heads, spec.num_kv_heads, spec.num_kv_heads), 1)
+    return q, k, v
 
 
 def refusal_text(exc: NoBackendError, backend: str | None) -> str:
@@ -176,59 +182,6 @@ def build_public(
     return PreparedPath(run, selection.name, details, prepare_ms, select_ms)
 
 
-# --- flashinfer's ragged kernel, as the legacy path and the raw baseline call it ----------
-
-
-FA3_HEAD_DIMS = frozenset({64, 128, 256})
-
-
-def flashinfer_kernel_name(
-    spec: AttentionSpec, device: torch.device, *, fused_rope: bool = False
-) -> str:
-    """fa3 where flashinfer has it (sm90, 16-bit, head dim 64/128/256, no fused RoPE), else fa2:
-    the choice the ``flashinfer`` backends make, so that every path loads the very module the
-    backend loads (and a prebuild compiled), never a second one chosen by ``auto``."""
-    hopper = device.type == "cuda" and torch.cuda.get_device_capability(device) == (9, 0)
-    sixteen_bit = spec.dtype in (torch.float16, torch.bfloat16)
-    fa3 = hopper and sixteen_bit and spec.head_dim in FA3_HEAD_DIMS and not fused_rope
-    return "fa3" if fa3 else "fa2"
-
-
-def flashinfer_ragged(
-    spec: AttentionSpec, params: FMHAParams, *, fused_rope: bool = False
-) -> RaggedKernel | Skip:
-    """flashinfer's ragged prefill kernel, planned for this batch (the kernel the backend uses),
-    with RoPE in the kernel (``ROPE_LLAMA``, fa2) when ``fused_rope``; ``run`` is the wrapper's
-    own bound method, with nothing of ours around it."""
-    try:
-        import flashinfer  # untyped GPU library: its objects are Any
-    except ImportError as exc:
-        return Skip(f"flashinfer is not installed ({exc})")
-
-    workspace = torch.empty(FLASHINFER_WORKSPACE_BYTES, dtype=torch.uint8, device=params.device)
-    name = flashinfer_kernel_name(spec, params.device, fused_rope=fused_rope)
-    wrapper = flashinfer.BatchPrefillWithRaggedKVCacheWrapper(workspace, "NHD", backend=name)
-    indptr = torch.tensor(params.cu_seqlens_host, dtype=torch.int32)  # host: plan reads it there
-    rope_theta = spec.rope.theta if fused_rope and spec.rope is not None else None
-    wrapper.plan(
-        indptr,
-        indptr,
-        spec.num_heads,
-        spec.num_kv_heads,
-        spec.head_dim,
-        causal=spec.causal,
-        pos_encoding_mode="ROPE_LLAMA" if fused_rope else "NONE",
-        sm_scale=spec.scale,
-        rope_scale=1.0 if fused_rope else None,
-        rope_theta=rope_theta,
-        q_data_type=spec.dtype,
-        kv_data_type=spec.dtype,
-        o_data_type=spec.output_dtype,
-    )
-    kernel: RaggedKernel = wrapper.run
-    return kernel
-
-
 # --- (e): Hugging Face style padded SDPA --------------------------------------------------
 
 
@@ -268,7 +221,7 @@ def build_padded_sdpa(
         return padded.view(batch, longest, heads, d).transpose(1, 2)
 
     def run(qkv: torch.Tensor) -> torch.Tensor:
-        q, k, v = split_views(qkv, spec, tokens)
+        q, k, v = qkv_views(qkv, spec, tokens)
         if tables is not None:
             q, k = rotated(q, tables), rotated(k, tables)
         out = F.scaled_dot_product_attention(
@@ -307,7 +260,7 @@ def build_varlen(
     group = spec.group_size
 
     def run(qkv: torch.Tensor) -> torch.Tensor:
-        q, k, v = split_views(qkv, spec, tokens)
+        q, k, v = qkv_views(qkv, spec, tokens)
         if tables is not None:
             q, k = rotated(q, tables), rotated(k, tables)
         if group > 1:

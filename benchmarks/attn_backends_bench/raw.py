@@ -6,26 +6,24 @@ batch, with none of the contract around them: the raw RoPE kernel the API would 
 attention kernel), then ``BatchPrefillWithRaggedKVCacheWrapper.run`` on the cheapest views of
 the packed rows a hand-written engine would take. ``API - raw`` is then what the contract costs.
 
-It exists for the flashinfer backends only (the API's usual pick on NVIDIA); when the API runs
-another backend the raw path is skipped and says so.
+It exists for the backends whose plan runs that kernel (the flashinfer backends, the API's
+usual pick on NVIDIA), as their decision record says; when the API runs another kernel the raw
+path is skipped and says so.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 
-from attn_backends import AttentionSpec, FMHAParams, RopePass, _native, rope_passes
-from attn_backends._preprocess import apply_torch_pass
-from attn_backends._rope import apply_rope_logn, build_position_tables
+from attn_backends import AttentionSpec, FMHAParams, rope_passes
+from attn_backends.plugin import RopePass
 
-from .paths import PreparedPath, Skip, flashinfer_kernel_name, flashinfer_ragged
-
-RAW_BACKENDS = frozenset({"flashinfer", "flashinfer-rope"})
-"""Backends whose kernel the raw path can call by hand."""
+from .paths import PreparedPath, Skip, rope_tables, rotate_
+from .ragged import RAGGED_KERNEL, flashinfer_ragged, kernel_name
 
 ROPE_TEXT: dict[str, str] = {
     "none": "none (the spec has no RoPE)",
@@ -34,6 +32,7 @@ ROPE_TEXT: dict[str, str] = {
     "flashinfer": "flashinfer apply_rope_pos_ids_inplace on the packed rows",
     "torch": "torch ops, in place on the packed rows",
 }
+PASS_TEXT = "the {} RoPE pass, through its apply"
 """What each RoPE mode of the API's plan runs, called by hand; another registered pass is
 called through its own ``apply``."""
 
@@ -51,7 +50,7 @@ class RawRecipe:
         return {
             "flashinfer_backend": self.kernel,
             "pos_encoding_mode": "ROPE_LLAMA" if self.rope == "fused" else "NONE",
-            "rope": ROPE_TEXT.get(self.rope, f"the {self.rope} RoPE pass, through its apply"),
+            "rope": ROPE_TEXT.get(self.rope, PASS_TEXT.format(self.rope)),
         }
 
 
@@ -59,55 +58,81 @@ def _registered_pass(name: str) -> RopePass | None:
     return next((p for p in rope_passes() if p.name == name), None)
 
 
-def raw_recipe(
-    api_backend: str | None, preprocess: str | None, spec: AttentionSpec, device: torch.device
-) -> RawRecipe | Skip:
-    """The raw counterpart of the API's plan: its backend and the batch's RoPE pass."""
-    if api_backend not in RAW_BACKENDS:
+@dataclass(frozen=True)
+class ApiPlan:
+    """What the public API's plan ran for the batch: its kernel and its RoPE/logn pass."""
+
+    backend: str | None
+    kernel: str | None
+    """The library kernel the backend's decision record names (``kernel``)."""
+    preprocess: str | None
+    """``none``, ``fused`` or the name of the separate RoPE pass the batch ran."""
+
+    @classmethod
+    def from_record(cls, backend: str | None, details: Mapping[str, str]) -> ApiPlan:
+        """Read back from the decision record's text.
+
+        The one place the benchmark parses a decision: the selection does not yet carry it as
+        typed attributes (the bound pass, the kernel variant). Once it does, read those here.
+        """
+        return cls(backend, details.get("kernel"), details.get("preprocess"))
+
+
+def raw_recipe(api: ApiPlan, spec: AttentionSpec, device: torch.device) -> RawRecipe | Skip:
+    """The raw counterpart of the API's plan: its kernel and the batch's RoPE pass."""
+    if api.kernel != RAGGED_KERNEL:
         return Skip(
-            f"the public API runs {api_backend or 'nothing'}; the raw baseline is flashinfer's "
-            f"ragged kernel, built when the API runs {' or '.join(sorted(RAW_BACKENDS))}"
+            f"the public API runs {api.backend or 'nothing'}; the raw baseline is flashinfer's "
+            f"ragged kernel ({RAGGED_KERNEL}), built when the API's plan runs it"
         )
-    rope = preprocess or ""
+    rope = api.preprocess or ""
     if rope not in ROPE_TEXT and _registered_pass(rope) is None:
-        return Skip(f"the public API's RoPE pass {preprocess!r} is not registered")
+        return Skip(f"the public API's RoPE pass {api.preprocess!r} is not registered")
     fused = rope == "fused"
-    return RawRecipe(flashinfer_kernel_name(spec, device, fused_rope=fused), rope)
+    return RawRecipe(kernel_name(spec, device, fused_rope=fused), rope)
 
 
 Rotation = Callable[[torch.Tensor, torch.Tensor, torch.Tensor], None]
 """``(rows, q, k)``: rotate in place; ``q``/``k`` are views of ``rows``."""
 
 
+def _through_pass(name: str, spec: AttentionSpec, params: FMHAParams) -> Rotation:
+    """A registered pass called through its ``apply``; a buffer it declines goes to the torch
+    pass, as the API's plan does."""
+    chosen, fallback = _registered_pass(name), _registered_pass("torch")
+    if chosen is None or fallback is None:
+        raise ValueError(f"no RoPE pass named {name!r} (or 'torch') is registered")
+
+    def rotate(rows: torch.Tensor, q: torch.Tensor, k: torch.Tensor) -> None:
+        if not chosen.apply(rows, spec, params):
+            fallback.apply(rows, spec, params)
+
+    return rotate
+
+
 def raw_rotation(rope: str, spec: AttentionSpec, params: FMHAParams) -> Rotation | None:
     """The raw RoPE kernel call for ``rope``; None when the attention kernel does it or the
-    spec has no RoPE."""
+    spec has no RoPE.
+
+    ``torch`` on plain RoPE is torch ops on tables built once per batch, as a hand-written
+    engine does; the native kernel, a RoPE-scaled or logn spec on ``torch`` and any other pass
+    go through the registered pass's ``apply`` (which builds torch tables per call).
+    """
     if rope in ("none", "fused"):
         return None
     tokens = params.token_q_num
-    if rope == "native":
-        cu = params.cu_seqlens_q
-        return lambda rows, q, k: _native.rope_logn_(rows, cu, tokens, spec)
-    if rope == "torch":
-        tables = build_position_tables(spec, params.positions)
+    plain = spec.rope is not None and spec.rope.is_plain and not spec.use_logn_attn
+    tables = rope_tables(spec, params) if rope == "torch" and plain else None
+    if tables is not None:
         heads = spec.num_heads + spec.num_kv_heads
         width = spec.q_width + spec.kv_width
 
         def torch_rope(rows: torch.Tensor, q: torch.Tensor, k: torch.Tensor) -> None:
-            qk = rows[:, :width].view(tokens, heads, spec.head_dim)
-            apply_rope_logn(qk, spec.num_heads, spec, tables)
+            rotate_(rows[:, :width].view(tokens, heads, spec.head_dim), tables)
 
         return torch_rope
     if rope != "flashinfer":
-        other = _registered_pass(rope)
-        if other is None:
-            raise ValueError(f"no RoPE pass named {rope!r} is registered")
-
-        def registered(rows: torch.Tensor, q: torch.Tensor, k: torch.Tensor) -> None:
-            if not other.apply(rows, spec, params):  # a buffer it cannot take: torch serves it
-                apply_torch_pass(rows, spec, params)
-
-        return registered
+        return _through_pass(rope, spec, params)
     import flashinfer  # untyped GPU library
 
     assert spec.rope is not None  # the API runs a flashinfer pass only with RoPE

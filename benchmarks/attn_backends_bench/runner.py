@@ -26,12 +26,11 @@ from attn_backends import (
     AttentionSpec,
     FMHAParams,
     clear_selection_cache,
+    detect_platform,
     get_registry,
     select,
 )
-from attn_backends._devices import indexed
-from attn_backends._dtypes import dtype_name
-from attn_backends._preprocess import platform_of
+from attn_backends.plugin import dtype_name
 
 from .config import DEFAULT_ITERS, DEFAULT_TIME_BUDGET_S, DEFAULT_WARMUP, BenchConfig
 from .interleave import ROUNDS
@@ -55,9 +54,9 @@ from .paths import (
     build_varlen,
     rope_tables,
 )
-from .raw import build_raw, raw_recipe
+from .raw import ApiPlan, build_raw, raw_recipe
 from .results import BenchResult, Ceilings, PathResult, WorkloadResult
-from .timing import host_calls, measure_ceilings
+from .timing import host_calls, indexed, measure_ceilings
 from .workloads import Workload, attention_bytes, attention_flops, rope_bytes
 
 __all__ = [
@@ -180,7 +179,7 @@ def _run_paths(state: WorkloadRun) -> None:
 
 
 def _build_raw(spec: AttentionSpec, params: FMHAParams, api: PathResult) -> PreparedPath | Skip:
-    recipe = raw_recipe(api.backend, api.details.get("preprocess"), spec, params.device)
+    recipe = raw_recipe(ApiPlan.from_record(api.backend, api.details), spec, params.device)
     if isinstance(recipe, Skip):
         return recipe
     return build_raw(spec, params, recipe)
@@ -232,7 +231,8 @@ def _check_throughput_paths(state: WorkloadRun) -> list[Checked]:
             )
 
     # The legacy path, with each RoPE it could use; padded SDPA; torch varlen_attn.
-    for variant in legacy_variants(spec, platform_of(params.device)):
+    platform = detect_platform(params.device, extra_libraries=("flashinfer",))
+    for variant in legacy_variants(spec, platform):
         checked.append(
             state.check(
                 variant.path,

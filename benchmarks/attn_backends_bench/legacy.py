@@ -22,18 +22,12 @@ from dataclasses import dataclass
 from typing import Any, Literal
 
 import torch
+from attn_backends_builtin._flashinfer_rope import flashinfer_rope_refusal
 
-from attn_backends import AttentionSpec, FMHAParams, Platform, rope_passes, split_views
+from attn_backends import AttentionSpec, FMHAParams, Platform
 
-from .paths import (
-    PreparedPath,
-    RaggedKernel,
-    Skip,
-    flashinfer_kernel_name,
-    flashinfer_ragged,
-    rope_tables,
-    rotate_,
-)
+from .paths import PreparedPath, Skip, qkv_views, rope_tables, rotate_
+from .ragged import RaggedKernel, flashinfer_ragged, kernel_name
 
 CACHE_BLOCK = 64
 
@@ -46,17 +40,6 @@ ROPE_TEXT: dict[LegacyRope, str] = {
     "flashinfer-fused-copy": "flashinfer apply_rope_pos_ids: copy and rotation in one pass",
 }
 NATIVE_REFUSAL = "the native kernel rotates packed Q|K|V rows in place, not separate Q and K copies"
-FLASHINFER_PASS = "flashinfer"
-"""The RoPE pass the flashinfer plugin registers: its refusal says where flashinfer's RoPE
-kernels serve a spec, the same on the copies as on the packed rows."""
-
-
-def flashinfer_rope_refusal(spec: AttentionSpec, platform: Platform) -> str | None:
-    """Why flashinfer's RoPE kernels cannot serve ``spec`` here (None: they can)."""
-    rope_pass = next((p for p in rope_passes() if p.name == FLASHINFER_PASS), None)
-    if rope_pass is None:
-        return "no flashinfer RoPE pass is registered (the flashinfer plugin is not loaded)"
-    return rope_pass.refusal(spec, platform)
 
 
 @dataclass(frozen=True, eq=False)
@@ -114,7 +97,12 @@ class LegacyVariant:
 
 
 def legacy_variants(spec: AttentionSpec, platform: Platform) -> tuple[LegacyVariant, ...]:
-    """The legacy paths for ``spec`` on ``platform``, the fairest (``legacy``) first."""
+    """The legacy paths for ``spec`` on ``platform``, the fairest (``legacy``) first.
+
+    Where flashinfer's RoPE kernels serve a spec is the flashinfer plugin's own rule (its RoPE
+    pass's refusal), the same on the copies as on the packed rows; ``platform`` must have
+    probed the ``flashinfer`` library.
+    """
     base = "legacy: copy-split + paged cache write"
     if spec.rope is None:
         return (LegacyVariant("legacy", base, "none", "the spec has no RoPE"),)
@@ -219,7 +207,7 @@ def build_legacy(
     rotate = qk_rotation(rope, spec, params)
 
     def run(qkv: torch.Tensor) -> torch.Tensor:
-        q, k, v = split_views(qkv, spec, tokens)
+        q, k, v = qkv_views(qkv, spec, tokens)
         q, k = rotate(q, k)
         v = v.contiguous()
         kv_cache.write(k, v)
@@ -239,7 +227,7 @@ def build_legacy_flashinfer(
     if isinstance(kernel, Skip):
         return kernel
     details = {
-        "flashinfer_backend": flashinfer_kernel_name(spec, params.device),
+        "flashinfer_backend": kernel_name(spec, params.device),
         "rope_why": variant.why,
     }
     return build_legacy(spec, params, variant.rope, kernel, details=details)

@@ -1,8 +1,9 @@
 """``attn-backends bench``: the command-line face of the benchmark.
 
-`add_arguments` fills a parser (the ``bench`` subcommand, or ``python -m attn_backends.bench``)
+`add_arguments` fills a parser (the ``bench`` subcommand, or ``python -m attn_backends_bench``)
 and `run` executes it. Option destinations are prefixed ``bench_`` so that they never collide
-with options of a parent parser.
+with options of a parent parser. `COMMAND` is what the ``attn_backends.commands`` entry point
+hands the core's CLI, which thereby offers ``bench`` without importing the benchmark.
 """
 
 from __future__ import annotations
@@ -15,16 +16,19 @@ from pathlib import Path
 
 import torch
 
+from attn_backends.plugin import Subcommand
+
+from .config import DEFAULT_ITERS, DEFAULT_TIME_BUDGET_S, DEFAULT_WARMUP, BenchConfig
 from .report import all_targets, from_json, render_markdown, summary_lines, write_json, write_report
 from .results import MODES, BenchResult, Mode
-from .runner import DEFAULT_ITERS, DEFAULT_TIME_BUDGET_S, DEFAULT_WARMUP, BenchConfig, run_benchmark
+from .runner import run_benchmark
 from .timing import HOST_REPEATS, MAX_HOST_CALLS
 from .workloads import WORKLOADS, Workload, get_workload, workload_names
 
 MIN_ITERS = 30
 EXIT_USAGE = 2
 
-logger = logging.getLogger("attn_backends.bench")
+logger = logging.getLogger("attn_backends_bench")
 
 
 def _names(text: str) -> list[str]:
@@ -215,7 +219,7 @@ def _command_line(argv: list[str]) -> str:
     if name == "attn-backends":
         return shlex.join(["attn-backends", *argv[1:]])
     if name == "__main__.py":
-        return shlex.join(["python", "-m", "attn_backends.bench", *argv[1:]])
+        return shlex.join(["python", "-m", "attn_backends_bench", *argv[1:]])
     return shlex.join(argv)
 
 
@@ -263,6 +267,14 @@ def run(args: argparse.Namespace) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m attn_backends.bench")
+    parser = argparse.ArgumentParser(prog="python -m attn_backends_bench")
     add_arguments(parser)
     return run(parser.parse_args(argv))
+
+
+COMMAND = Subcommand(
+    help="benchmark the no-cache prefill paths on a CUDA GPU",
+    add_arguments=add_arguments,
+    run=run,
+)
+"""``attn-backends bench``, as the ``attn_backends.commands`` entry point declares it."""

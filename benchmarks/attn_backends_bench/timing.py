@@ -175,6 +175,15 @@ def time_host_calls(
     return host_timing(elapsed, calls)
 
 
+def indexed(device: torch.device | str) -> torch.device:
+    """``device`` with its index (``cuda`` becomes ``cuda:<current>``), as tensors report it, so
+    that comparing it with a tensor's device means what it says."""
+    dev = torch.device(device)
+    if dev.type == "cuda" and dev.index is None:
+        return torch.device("cuda", torch.cuda.current_device())
+    return dev
+
+
 def synchronize(device: torch.device) -> None:
     if device.type == "cuda":
         torch.cuda.synchronize(device)
