@@ -22,6 +22,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 import torch
+from attn_backends_bench.paths import qkv_views
 
 import attn_backends as ab
 from attn_backends.testing.graphs import capture_graph
@@ -87,7 +88,7 @@ def measure(name: str, spec: ab.AttentionSpec, lengths: tuple[int, ...]) -> dict
     def api() -> torch.Tensor:
         return sel.backend.forward(qkv, plan)
 
-    q, k, v = ab.split_views(qkv, spec, tokens)
+    q, k, v = qkv_views(qkv, spec, tokens)
     wrapper = flashinfer.BatchPrefillWithRaggedKVCacheWrapper(
         torch.empty(128 << 20, dtype=torch.uint8, device=device), "NHD", backend="fa3"
     )

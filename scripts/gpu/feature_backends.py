@@ -25,15 +25,15 @@ import time
 from pathlib import Path
 
 import torch
-
-import attn_backends as ab
-from attn_backends._reference import reference_attention, relative_error
-from attn_backends.bench.timing import (
+from attn_backends_bench.timing import (
     event_block,
     latency_block,
     synchronize,
     time_host_calls,
 )
+
+import attn_backends as ab
+from attn_backends import reference_attention, relative_error
 
 BACKENDS = ("torch-sdpa", "flex")
 TOLERANCE = 2e-2

@@ -11,7 +11,7 @@ count and the cache directory; the cached modules are only found again with the 
 The module list is derived, not written by hand: for ``flashinfer``, ``flashinfer-rope`` and
 ``trt``, every conformance case their declared capabilities generate
 (``attn_backends.testing.cases``) and every benchmark workload in bf16
-(``attn_backends.bench.workloads``, with and without its RoPE), on sm90, mapped by the backend's
+(``attn_backends_bench.workloads``, with and without its RoPE), on sm90, mapped by the backend's
 own ``jit_modules`` to the module it loads. flashinfer's in-place RoPE module is added: the
 contract uses it for the separate RoPE pass when the native kernel is unavailable, and
 scripts/gpu/rope_kernel.py measures it.
@@ -75,7 +75,7 @@ def backends() -> list[Backend]:
 
 def bench_specs() -> list[AttentionSpec]:
     try:
-        from attn_backends.bench.workloads import WORKLOADS
+        from attn_backends_bench.workloads import WORKLOADS
     except ImportError as exc:
         print(f"warning: no benchmark workloads ({exc}); building for conformance only")
         return []

@@ -28,10 +28,10 @@ from pathlib import Path
 from typing import NamedTuple
 
 import torch
+from attn_backends_bench.timing import input_set_count, time_steps
 from attn_backends_builtin.flashinfer import FlashinferBackend, FlashinferRopeBackend
 
 from attn_backends import AttentionSpec, FMHAParams, RopeSpec, reference_attention, relative_error
-from attn_backends.bench.timing import input_set_count, time_steps
 
 LENGTHS = (32, 64, 96, 128, 192, 256, 384, 512, 768, 1024, 2048)
 TOKENS = 16384
