@@ -32,9 +32,9 @@ ROPE_TEXT: dict[str, str] = {
     "flashinfer": "flashinfer apply_rope_pos_ids_inplace on the packed rows",
     "torch": "torch ops, in place on the packed rows",
 }
-PASS_TEXT = "the {} RoPE pass, through its apply"
 """What each RoPE mode of the API's plan runs, called by hand; another registered pass is
-called through its own ``apply``."""
+called through its own ``apply`` (`PASS_TEXT`)."""
+PASS_TEXT = "the {} RoPE pass, through its apply"
 
 
 @dataclass(frozen=True)
