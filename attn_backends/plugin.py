@@ -3,8 +3,9 @@
 Engines import `attn_backends`; a plugin imports the shared values from there (`AttentionSpec`,
 `FMHAParams`, `Platform`, `PrefillPlan`, the errors) and what only an author needs from here:
 the base class and its plan types, capabilities as data, structured refusals, the hook that
-registers backends, RoPE passes, and the entry-point groups. The built-in plugins use this
-module and `attn_backends` only; an import-linter contract keeps it that way.
+registers backends (and the RoPE passes a plugin brings, in its manifest), and the entry-point
+groups. The built-in plugins use this module and `attn_backends` only; an import-linter
+contract keeps it that way.
 """
 
 from __future__ import annotations
@@ -26,8 +27,9 @@ from ._feature_table import (
 from ._features import bloom_alibi_slopes
 from ._hooks import ENTRY_POINT_GROUP, PLUGIN_API_VERSION, PluginManifest, hookimpl
 from ._kernels import KernelModule
-from ._preprocess import RopePass, preprocess_mode, register_rope_pass
+from ._preprocess import preprocess_mode
 from ._reasons import Reason, ReasonCode
+from ._rope_passes import RopePass
 
 __all__ = [
     "COMMAND_GROUP",
@@ -57,5 +59,4 @@ __all__ = [
     "dtype_name",
     "hookimpl",
     "preprocess_mode",
-    "register_rope_pass",
 ]

@@ -3,8 +3,7 @@
 What the ``flashinfer`` backends decide about that kernel (fa2 or fa3, the workspace size) comes
 from the flashinfer plugin itself, so that every path loads the very module the backend loads
 (and a prebuild compiled), never a second one chosen by ``auto``, and never a stale copy of the
-rule. The plugin's ``flashinfer`` module is imported only once the registry holds its backend:
-importing it registers flashinfer's RoPE pass, which must not happen behind a plugin policy.
+rule.
 """
 
 from __future__ import annotations
@@ -13,35 +12,23 @@ from collections.abc import Callable
 
 import torch
 from attn_backends_builtin._flashinfer_common import choose_kernel, device_sm
+from attn_backends_builtin.flashinfer import KERNEL, WORKSPACE_BYTES
 
-from attn_backends import AttentionSpec, FMHAParams, get_registry
+from attn_backends import AttentionSpec, FMHAParams
 
 from .paths import Skip
 
 RaggedKernel = Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
 """``(q [T, Hq, D], k [T, Hkv, D], v [T, Hkv, D]) -> [T, Hq, D]`` over the batch's sequences."""
 
-RAGGED_KERNEL = "flashinfer.BatchPrefillWithRaggedKVCacheWrapper"
-"""The library class called here, as a backend's decision record names its ``kernel``."""
-PLUGIN_BACKEND = "flashinfer"
-"""The backend whose plugin module holds the workspace size."""
+RAGGED_KERNEL = KERNEL
+"""The library class called here, as the flashinfer backends' decision records name it
+(``kernel``): a plan whose record names it runs the kernel the raw baseline calls."""
 
 
 def kernel_name(spec: AttentionSpec, device: torch.device, *, fused_rope: bool = False) -> str:
     """``fa3`` or ``fa2``: the flashinfer plugin's own choice for ``spec`` on ``device``."""
     return choose_kernel(spec, device_sm(device), fused_rope).backend
-
-
-def plugin_workspace_bytes() -> int | Skip:
-    """The float workspace the flashinfer backends give the kernel, or why it is unknown here
-    (the flashinfer plugin is not loaded)."""
-    if get_registry().get(PLUGIN_BACKEND) is None:
-        return Skip(
-            f"the flashinfer plugin is not loaded (no {PLUGIN_BACKEND!r} backend registered)"
-        )
-    from attn_backends_builtin.flashinfer import WORKSPACE_BYTES  # loaded: no new side effect
-
-    return WORKSPACE_BYTES
 
 
 def flashinfer_ragged(
@@ -54,10 +41,7 @@ def flashinfer_ragged(
         import flashinfer  # untyped GPU library: its objects are Any
     except ImportError as exc:
         return Skip(f"flashinfer is not installed ({exc})")
-    workspace_bytes = plugin_workspace_bytes()
-    if isinstance(workspace_bytes, Skip):
-        return workspace_bytes
-    workspace = torch.empty(workspace_bytes, dtype=torch.uint8, device=params.device)
+    workspace = torch.empty(WORKSPACE_BYTES, dtype=torch.uint8, device=params.device)
     name = kernel_name(spec, params.device, fused_rope=fused_rope)
     wrapper = flashinfer.BatchPrefillWithRaggedKVCacheWrapper(workspace, "NHD", backend=name)
     indptr = torch.tensor(params.cu_seqlens_host, dtype=torch.int32)  # host: plan reads it there
