@@ -1147,8 +1147,9 @@ def test_runner_times_the_engine_view_in_the_modes_asked_for_only():
 def test_runner_records_graph_mode_not_supported_with_its_reasons():
     work = _run_tiny(("throughput", "graph"))
     graphs = {p.path: p for p in work.paths if p.kind == "graph"}
-    # the API's choice, then each backend that served the workload alone (on CPU: both)
-    assert list(graphs) == ["graph", "graph:flex", "graph:torch-sdpa"]
+    # the API's choice, then each backend that served the workload alone (on CPU: flex,
+    # headwise, which serves every flex spec, and torch-sdpa)
+    assert list(graphs) == ["graph", "graph:flex", "graph:headwise", "graph:torch-sdpa"]
     assert all(p.status == "unsupported" and p.timing is None for p in graphs.values())
     auto_reason = graphs["graph"].note or ""
     assert "without graph mode:" in auto_reason and "torch-sdpa" in auto_reason
