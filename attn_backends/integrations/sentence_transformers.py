@@ -23,7 +23,6 @@ sentence-transformers and transformers are imported only inside these functions.
 
 from __future__ import annotations
 
-import functools
 import threading
 import weakref
 from typing import TYPE_CHECKING, Any, TypeVar
@@ -32,8 +31,9 @@ import torch
 
 from .._errors import IntegrationError
 from . import _st_flatten
+from ._registered import require_ours
 from ._st_backbone import BackbonePacking
-from .transformers import DEFAULT_NAME, attention_forward, register, unpack_hidden
+from .transformers import DEFAULT_NAME, register, unpack_hidden
 
 if TYPE_CHECKING:
     from sentence_transformers import CrossEncoder, SentenceTransformer
@@ -104,7 +104,7 @@ def packed(model: Model) -> Model:
             "packed() serves models whose first module is a Hugging Face transformer"
         )
     for module in modules:
-        _require_this_attention(module)
+        require_ours(module.model, "packed()")
     for module in modules:
         with _lock:
             if module in _packed_modules:
@@ -112,23 +112,6 @@ def packed(model: Model) -> Model:
             _pack(module)
             _packed_modules.add(module)
     return model
-
-
-def _require_this_attention(module: Any) -> None:
-    from transformers import AttentionInterface
-
-    name = module.model.config._attn_implementation
-    found = AttentionInterface._global_mapping.get(name)
-    ours = found is attention_forward or (
-        isinstance(found, functools.partial) and found.func is attention_forward
-    )
-    if not ours:
-        raise IntegrationError(
-            f"{type(module.model).__name__} runs attn_implementation={name!r}, not this "
-            "library's attention: load the model with attn_backends.integrations."
-            "sentence_transformers.load(), or with model_kwargs={'attn_implementation': "
-            "attention_name()}"
-        )
 
 
 def _pack(module: Any) -> None:
