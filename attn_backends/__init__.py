@@ -18,7 +18,12 @@ from ._contract import (
     QKVViews,
     split_views,
 )
-from ._distributed import RankDecision, check_consistent_across_ranks, select_across_ranks
+from ._distributed import (
+    RankDecision,
+    RankMismatchError,
+    check_consistent_across_ranks,
+    select_across_ranks,
+)
 from ._dtypes import dtype_name
 from ._errors import (
     AttentionBackendError,
@@ -34,7 +39,6 @@ from ._errors import (
     ParamsError,
     PlatformError,
     PluginLoadError,
-    RankMismatchError,
     ReentrantRegistryError,
     SpecError,
     UnboundBackendError,
@@ -43,32 +47,57 @@ from ._features import AlibiSpec, SlidingWindow, bloom_alibi_slopes
 from ._flags import derive_need_rope_kv_cache
 from ._graph import PAD_CHUNK, GraphBucket, GraphPlan
 from ._hooks import ENTRY_POINT_GROUP, PLUGIN_API_VERSION, PluginManifest, hookimpl, hookspec
+from ._isolation import PLUGIN_TIMEOUT_ENV
 from ._kernels import KernelModule
 from ._params import FMHAParams
 from ._platform import Platform, detect_platform, parse_platform
-from ._preprocess import RopePass, preprocess_mode, register_rope_pass, rope_passes
+from ._policy import DISABLE_ENV, PLUGINS_ENV
+from ._preprocess import clear_preprocess_cache, preprocess_mode
 from ._protocol import CudaGraphPrefill, NoCachePrefill
 from ._reasons import Reason, ReasonCode
 from ._reference import TOLERANCE, reference_attention, relative_error
-from ._registry import PluginPolicy, PluginRecord, Registry, get_registry, reset_registry
+from ._registry import (
+    BackendEntry,
+    PluginPolicy,
+    PluginRecord,
+    Registry,
+    get_registry,
+    reset_registry,
+)
 from ._rope_hf import rope_spec_from_hf, rope_spec_from_hf_config
+from ._rope_passes import RopePass, register_rope_pass, rope_passes
 from ._rope_scaling import ROPE_TYPES, RopeScaling
-from ._selector import Candidate, Selection, clear_selection_cache, select
+from ._selector import (
+    BACKEND_ENV,
+    STRICT_ENV,
+    Candidate,
+    Selection,
+    SelectRequest,
+    clear_selection_cache,
+    select,
+    select_request,
+)
 from ._spec import AttentionSpec, HeadwiseConfig, RopeSpec
 from ._warmup import WarmupReport, WarmupStep, warmup
 
 __version__ = "0.1.0"
 
 __all__ = [
+    "BACKEND_ENV",
+    "DISABLE_ENV",
     "ENTRY_POINT_GROUP",
     "PAD_CHUNK",
+    "PLUGINS_ENV",
     "PLUGIN_API_VERSION",
+    "PLUGIN_TIMEOUT_ENV",
     "ROPE_TYPES",
+    "STRICT_ENV",
     "TOLERANCE",
     "AlibiSpec",
     "AnyPlan",
     "AttentionBackendError",
     "AttentionSpec",
+    "BackendEntry",
     "BackendFailure",
     "CanaryResult",
     "Candidate",
@@ -111,6 +140,7 @@ __all__ = [
     "RopePass",
     "RopeScaling",
     "RopeSpec",
+    "SelectRequest",
     "Selection",
     "SlidingWindow",
     "SpecError",
@@ -121,6 +151,7 @@ __all__ = [
     "check_capabilities",
     "check_consistent_across_ranks",
     "check_platform",
+    "clear_preprocess_cache",
     "clear_selection_cache",
     "derive_need_rope_kv_cache",
     "detect_platform",
@@ -140,6 +171,7 @@ __all__ = [
     "run_canary",
     "select",
     "select_across_ranks",
+    "select_request",
     "split_views",
     "warmup",
 ]

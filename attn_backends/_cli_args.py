@@ -6,9 +6,10 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import re
 import sys
 from collections.abc import Mapping
-from typing import TYPE_CHECKING, NoReturn
+from typing import TYPE_CHECKING, Any, NoReturn
 
 import torch
 
@@ -19,6 +20,10 @@ from ._spec import MAX_ROPE_THETA
 
 if TYPE_CHECKING:
     from _typeshed import SupportsWrite
+
+
+_NEGATIVE_VALUE = re.compile(r"-\.?\d")
+"""A value that starts with a dash (``--window -1,0``, ``--logit-softcap -5``), never an option."""
 
 
 class CommandLineError(AttentionBackendError, ValueError):
@@ -43,6 +48,13 @@ class CommandParser(argparse.ArgumentParser):
         # buffering; let a closed pipe reach `main`, which ends it the same way every time.
         if message:
             (file or sys.stderr).write(message)
+
+    def _parse_optional(self, arg_string: str) -> Any:
+        # argparse takes "-1,0" for an unknown option ("expected one argument"): no option here
+        # starts with a digit, so a dash and a digit is a value, which the flag's type judges.
+        if _NEGATIVE_VALUE.match(arg_string):
+            return None
+        return super()._parse_optional(arg_string)
 
     def option_names(self) -> frozenset[str]:
         """Every option string this parser accepts (``--heads``, ``-v`` ...)."""

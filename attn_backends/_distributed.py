@@ -14,18 +14,19 @@ process-group timeout.
 from __future__ import annotations
 
 import json
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass
+from typing import Any
 
 import torch
 import torch.distributed as dist
 
 from ._devices import indexed
-from ._errors import RankMismatchError
+from ._errors import AttentionBackendError, InvalidArgumentError
 from ._fingerprint import canonical, canonical_json, canonical_text, differing_fields
-from ._platform import Platform
+from ._json import dumps, json_safe
 from ._registry import Registry
-from ._selector import Selection, select
+from ._selector import Selection, SelectRequest, select_request
 from ._spec import AttentionSpec
 
 _ERROR_CHARS = 2000
@@ -60,6 +61,18 @@ class RankDecision:
         return f"no backend ({self.error_type}: {first[0] if first else ''})"
 
 
+class RankMismatchError(AttentionBackendError, RuntimeError):
+    """Ranks of one process group selected different backends (or some failed to select).
+
+    Defined here, beside the `RankDecision`s it carries, so that the errors module depends on
+    nothing above it.
+    """
+
+    def __init__(self, message: str, decisions: Sequence[RankDecision] = ()) -> None:
+        super().__init__(message)
+        self.decisions: tuple[RankDecision, ...] = tuple(decisions)
+
+
 def _rank() -> int:
     return dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
 
@@ -69,7 +82,8 @@ def rank_fingerprint(selection: Selection) -> str:
 
     Unlike `Selection.fingerprint` it holds the device and the library versions (torch and its
     CUDA/HIP build, and the optional libraries the platform recorded), since two ranks with
-    different versions may run the same backend name with different kernels.
+    different versions may run the same backend name with different kernels. A number that is
+    not finite follows the library's one JSON convention (`_json`).
     """
     platform = selection.platform
     versions: dict[str, object] = {
@@ -78,7 +92,7 @@ def rank_fingerprint(selection: Selection) -> str:
         "torch_hip": torch.version.hip,
     }
     versions.update(platform.libraries)
-    return canonical_json(
+    record = json_safe(
         {
             "backend": selection.name,
             "details": {
@@ -96,6 +110,7 @@ def rank_fingerprint(selection: Selection) -> str:
             "versions": versions,
         }
     )
+    return canonical_json(record)
 
 
 def decision_of(selection: Selection) -> RankDecision:
@@ -148,7 +163,7 @@ def _gather(mine: RankDecision, group: dist.ProcessGroup | None) -> tuple[RankDe
     if not (dist.is_available() and dist.is_initialized()):
         return (mine,)
     try:
-        payloads = _all_gather_bytes(json.dumps(asdict(mine)).encode(), group)
+        payloads = _all_gather_bytes(dumps(asdict(mine), indent=None).encode(), group)
     except RuntimeError as exc:  # torch.distributed reports a lost or late peer as RuntimeError
         first = str(exc).strip().splitlines()
         raise RankMismatchError(
@@ -255,39 +270,52 @@ def check_consistent_across_ranks(
 
 
 def select_across_ranks(
-    spec: AttentionSpec,
+    request: SelectRequest | AttentionSpec,
     *,
     group: dist.ProcessGroup | None = None,
-    device: torch.device | str | None = None,
-    has_kv_cache: bool = False,
-    need_rope_kv_cache: bool | None = None,
-    backend: str | None = None,
-    platform: Platform | str | None = None,
     registry: Registry | None = None,
-    strict: bool | None = None,
+    **options: Any,
 ) -> Selection:
-    """`select` on every rank, then the cross-rank check.
+    """`select_request` on every rank, then the cross-rank check.
 
-    A rank whose selection raises (any `Exception`; ``KeyboardInterrupt`` still propagates)
-    joins the collective with its error, so every rank raises the same `RankMismatchError`,
-    naming the failed rank and its error, instead of the others hanging.
+    ``request`` is a `SelectRequest`, or a spec with the request's other fields as keywords
+    (``select_across_ranks(spec, platform="cpu", cuda_graph=True)``), exactly as `select`
+    takes them. A rank whose selection raises (any `Exception`; ``KeyboardInterrupt`` still
+    propagates) joins the collective with its error, so every rank raises the same
+    `RankMismatchError`, naming the failed rank and its error, instead of the others hanging.
     """
     chosen: list[Selection] = []
 
     def decide() -> RankDecision:
-        selection = select(
-            spec,
-            device=device,
-            has_kv_cache=has_kv_cache,
-            need_rope_kv_cache=need_rope_kv_cache,
-            backend=backend,
-            platform=platform,
-            registry=registry,
-            strict=strict,
-        )
+        selection = select_request(_request_of(request, options), registry=registry)
         chosen.append(selection)
         return decision_of(selection)
 
-    where = str(platform) if platform is not None else str(device or "this machine")
-    _exchange(decide, where, group)
+    _exchange(decide, _where(request, options), group)
     return chosen[0]
+
+
+def _request_of(request: SelectRequest | AttentionSpec, options: dict[str, Any]) -> SelectRequest:
+    """The request a caller means: given whole, or a spec plus `SelectRequest`'s keywords."""
+    if isinstance(request, SelectRequest):
+        if options:
+            raise InvalidArgumentError(
+                f"select_across_ranks() takes a SelectRequest or a spec with keywords, not both "
+                f"(got {', '.join(sorted(options))}); use dataclasses.replace on the request"
+            )
+        return request
+    try:
+        return SelectRequest(request, **options)
+    except TypeError as exc:
+        if isinstance(exc, AttentionBackendError):
+            raise
+        raise InvalidArgumentError(f"select_across_ranks(): {exc}") from None
+
+
+def _where(request: SelectRequest | AttentionSpec, options: dict[str, Any]) -> str:
+    """The platform or device a request names, for a failed rank's line."""
+    if isinstance(request, SelectRequest):
+        place: object = request.platform or request.device
+    else:
+        place = options.get("platform") or options.get("device")
+    return str(place) if place is not None else "this machine"

@@ -2,11 +2,10 @@
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
-    from ._distributed import RankDecision
     from ._reasons import Reason
 
 
@@ -49,13 +48,25 @@ class UnboundBackendError(AttentionBackendError, RuntimeError):
 
 
 class NoBackendError(AttentionBackendError, RuntimeError):
-    """No backend fits, or the explicitly chosen one does not; carries every reason."""
+    """No backend fits, or the explicitly chosen one does not; carries every reason.
 
-    def __init__(self, message: str, reasons: Sequence[tuple[str, Sequence[Reason]]] = ()) -> None:
+    ``record``, when the selector raised it, is the decision record of the failed selection
+    (the shape of ``Selection.to_dict()`` with ``"selected": None``): what ``explain --json``
+    prints when nothing fits.
+    """
+
+    def __init__(
+        self,
+        message: str,
+        reasons: Sequence[tuple[str, Sequence[Reason]]] = (),
+        *,
+        record: Mapping[str, object] | None = None,
+    ) -> None:
         super().__init__(message)
         self.reasons: tuple[tuple[str, tuple[Reason, ...]], ...] = tuple(
             (name, tuple(rs)) for name, rs in reasons
         )
+        self.record: Mapping[str, object] | None = record
 
 
 class GraphModeError(NoBackendError):
@@ -65,14 +76,6 @@ class GraphModeError(NoBackendError):
 
 class BackendFailure(AttentionBackendError, RuntimeError):
     """A backend raised inside `prepare`/`forward`; the original error is the cause."""
-
-
-class RankMismatchError(AttentionBackendError, RuntimeError):
-    """Ranks of one process group selected different backends (or some failed to select)."""
-
-    def __init__(self, message: str, decisions: Sequence[RankDecision] = ()) -> None:
-        super().__init__(message)
-        self.decisions: tuple[RankDecision, ...] = tuple(decisions)
 
 
 class NativeBuildError(AttentionBackendError, RuntimeError):
@@ -113,3 +116,10 @@ class IntegrationError(AttentionBackendError, ValueError):
 class FeatureNotSupportedError(IntegrationError, NotImplementedError):
     """A model asks for an attention feature the spec cannot express yet (sliding window, logit
     soft-cap, attention sinks). Use another attention implementation for that model for now."""
+
+
+class MaskMismatchError(IntegrationError):
+    """A model's own attention mask allows other keys than attn_backends would attend to for
+    that batch (a rule the spec cannot express, a padding hole under a sliding window, packed
+    sequences the model reads as one). The message names the model, the first differing cell
+    and what to change."""

@@ -8,6 +8,7 @@ from dataclasses import dataclass
 import pluggy
 
 from ._protocol import NoCachePrefill
+from ._rope_passes import RopePass
 
 PROJECT_NAME = "attn_backends"
 ENTRY_POINT_GROUP = "attn_backends"
@@ -25,10 +26,17 @@ hookimpl = pluggy.HookimplMarker(PROJECT_NAME)
 
 @dataclass(frozen=True)
 class PluginManifest:
-    """What a plugin's hook returns: the API version it was built for and its backends."""
+    """What a plugin's hook returns: the API version it was built for, its backends, and the
+    separate RoPE/logn passes it brings (`RopePass`).
+
+    The passes are checked with the plugin and installed only if it loads; they leave with it
+    (a registry replaced by ``reset_registry()`` included), so a plugin that fails leaves none
+    behind. Any backend may then be served by them, ranked per platform like the core's.
+    """
 
     api_version: str
     backends: Sequence[NoCachePrefill]
+    rope_passes: Sequence[RopePass] = ()
 
 
 class HookSpecs:

@@ -3,7 +3,8 @@
 The pass is "none" (no RoPE, no logn), "fused" (the attention kernel applies RoPE itself), or a
 separate pass over the Q|K columns run by a `RopePass`. The core has two: the native kernel of
 ``csrc/`` ("native", CUDA and ROCm) and torch ops ("torch", runs everywhere); a plugin may add
-its own with `register_rope_pass` (the flashinfer plugin adds flashinfer's in-place RoPE). Each
+its own in its `PluginManifest` (the flashinfer plugin adds flashinfer's in-place RoPE); the
+table of passes lives in `_rope_passes`. Each
 pass ranks itself per platform kind, with the measurement behind the rank; the first pass, best
 rank first, that can serve the spec wins, and the decision record says which one and why the
 better-ranked ones could not.
@@ -12,7 +13,6 @@ better-ranked ones could not.
 from __future__ import annotations
 
 import threading
-from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -22,8 +22,13 @@ from ._capabilities import kernel_rope_fusable
 from ._dtypes import dtype_name
 from ._errors import SpecError
 from ._params import FMHAParams
-from ._platform import Platform, PlatformKind, detect_platform
+from ._platform import Platform, detect_platform
 from ._rope import PositionTables, apply_rope_logn, build_position_tables
+from ._rope_passes import RopePass as RopePass  # the table's names, kept importable from here
+from ._rope_passes import find_rope_pass, set_core_passes, table_generation
+from ._rope_passes import passes_for as passes_for
+from ._rope_passes import register_rope_pass as register_rope_pass
+from ._rope_passes import rope_passes as rope_passes
 from ._spec import AttentionSpec
 
 PreprocessMode = str
@@ -39,28 +44,6 @@ flashinfer's) would rotate the bucket's padding rows, so graph mode refuses it."
 def is_separate(mode: PreprocessMode) -> bool:
     """Whether ``mode`` rotates the caller's buffer in place (a separate pass)."""
     return mode not in IN_KERNEL
-
-
-@dataclass(frozen=True)
-class RopePass:
-    """One implementation of the separate in-place RoPE/logn pass, and where it ranks.
-
-    ``apply`` rotates the Q|K columns of the valid rows of the packed buffer in place and
-    returns True, or returns False, having written nothing, for a buffer it cannot take (the
-    torch pass then serves that call).
-    """
-
-    name: str
-    ranks: tuple[tuple[PlatformKind, int], ...]
-    """Platform kinds served and the rank on each: higher is tried first."""
-    note: str
-    """The evidence for the ranks (a measurement, a policy)."""
-    refusal: Callable[[AttentionSpec, Platform], str | None]
-    """Why the pass cannot serve a spec on a platform (None: it can)."""
-    apply: Callable[[torch.Tensor, AttentionSpec, FMHAParams], bool]
-
-    def rank(self, kind: PlatformKind) -> int | None:
-        return next((r for k, r in self.ranks if k == kind), None)
 
 
 @dataclass(frozen=True)
@@ -159,42 +142,7 @@ TORCH = RopePass(
     refusal=lambda spec, platform: None,
     apply=apply_torch_pass,
 )
-_passes: dict[str, RopePass] = {"native": NATIVE, "torch": TORCH}
-
-
-def register_rope_pass(rope_pass: RopePass) -> None:
-    """Add a separate RoPE/logn implementation (a plugin's extension point).
-
-    Its name becomes a preprocess mode shown in decision records. Registering the same object
-    again is a no-op; another pass under a taken name is a `SpecError`.
-    """
-    if not isinstance(rope_pass, RopePass):
-        raise SpecError(f"register_rope_pass() takes a RopePass, got {type(rope_pass).__name__}")
-    if rope_pass.name in IN_KERNEL or not rope_pass.name:
-        raise SpecError(f"a RoPE pass cannot be named {rope_pass.name!r}")
-    with _cache_lock:
-        known = _passes.get(rope_pass.name)
-        if known is rope_pass:
-            return
-        if known is not None:
-            raise SpecError(f"a RoPE pass named {rope_pass.name!r} is already registered")
-        _passes[rope_pass.name] = rope_pass
-        _choices.clear()
-
-
-def rope_passes() -> tuple[RopePass, ...]:
-    with _cache_lock:
-        return tuple(_passes.values())
-
-
-def passes_for(kind: PlatformKind) -> tuple[RopePass, ...]:
-    """The passes serving ``kind``, best rank first (ties by name, for a stable order)."""
-    ranked: list[tuple[int, str, RopePass]] = []
-    for candidate in rope_passes():
-        rank = candidate.rank(kind)
-        if rank is not None:
-            ranked.append((-rank, candidate.name, candidate))
-    return tuple(candidate for _, _, candidate in sorted(ranked, key=lambda x: x[:2]))
+set_core_passes(NATIVE, TORCH)
 
 
 def choose_preprocess(
@@ -222,7 +170,7 @@ def choose_preprocess(
 
 
 _CPU = Platform(kind="cpu")
-_choices: dict[tuple[AttentionSpec, Platform, bool], PreprocessChoice] = {}
+_choices: dict[tuple[AttentionSpec, Platform, bool, int], PreprocessChoice] = {}
 _platforms: dict[str, Platform] = {}
 _cache_lock = threading.Lock()
 
@@ -230,8 +178,9 @@ _cache_lock = threading.Lock()
 def resolve_preprocess(
     spec: AttentionSpec, platform: Platform, fused_rope: bool
 ) -> PreprocessChoice:
-    """`choose_preprocess`, remembered per (spec, platform, fused_rope) for the process."""
-    key = (spec, platform, fused_rope)
+    """`choose_preprocess`, remembered per (spec, platform, fused_rope) while the table of
+    passes stays as it is."""
+    key = (spec, platform, fused_rope, table_generation())
     with _cache_lock:
         cached = _choices.get(key)
     if cached is not None:
@@ -294,8 +243,7 @@ def apply_preprocess(
     if mode == "torch" and tables is not None:
         _apply_torch(packed, spec, params, tables)
         return
-    with _cache_lock:
-        chosen = _passes.get(mode)
+    chosen = find_rope_pass(mode)
     if chosen is None:
         raise SpecError(f"no RoPE pass named {mode!r} is registered")
     if not chosen.apply(packed, spec, params):

@@ -10,11 +10,13 @@ their names are reserved, so no installed distribution can stand in for them.
 
 from __future__ import annotations
 
+import functools
 import importlib.metadata
 import itertools
 import logging
 import re
 import threading
+import weakref
 from dataclasses import dataclass, field
 from typing import Literal
 
@@ -42,6 +44,14 @@ from ._isolation import (
 from ._platform import note_required_libraries
 from ._policy import DISABLE_ENV, PLUGINS_ENV, PluginPolicy
 from ._protocol import NoCachePrefill
+from ._rope_passes import (
+    RopePass,
+    collecting,
+    install,
+    rope_pass_problems,
+    withdraw,
+    withdraw_registry,
+)
 from ._validation import capability_problems, name_problem
 
 __all__ = [
@@ -77,6 +87,8 @@ class PluginRecord:
     status: PluginStatus
     backends: tuple[str, ...] = ()
     error: str | None = None
+    rope_passes: tuple[str, ...] = ()
+    """Names of the RoPE passes the plugin brought (installed while it stays loaded)."""
 
     def to_dict(self) -> dict[str, object]:
         return {
@@ -85,6 +97,7 @@ class PluginRecord:
             "status": self.status,
             "backends": list(self.backends),
             "error": self.error,
+            "rope_passes": list(self.rope_passes),
         }
 
 
@@ -151,6 +164,8 @@ class _Inspection:
     status: PluginStatus
     offers: tuple[_Offer, ...] = ()
     problems: tuple[str, ...] = ()
+    rope_passes: tuple[RopePass, ...] = ()
+    """Checked passes: the manifest's, and any given to ``register_rope_pass`` meanwhile."""
 
 
 def _offer(backend: object) -> _Offer | str:
@@ -172,11 +187,30 @@ def _offer(backend: object) -> _Offer | str:
     return _Offer(name, backend, caps)
 
 
-def _inspect(plugin: object, name: str) -> _Inspection:
+def _rope_passes_of(manifest: PluginManifest, given: tuple[RopePass, ...]) -> list[RopePass] | str:
+    """The plugin's passes (manifest first, then those given to ``register_rope_pass``), or
+    why they cannot be installed: one malformed pass refuses the plugin, never the table."""
+    try:
+        declared: list[object] = list(manifest.rope_passes)
+    except Exception as exc:
+        return f"manifest.rope_passes is not a sequence: {describe_exception(exc)}"
+    passes: list[RopePass] = []
+    problems: list[str] = []
+    for candidate in [*declared, *given]:
+        found = rope_pass_problems(candidate)
+        if found:
+            problems.extend(found)
+        elif isinstance(candidate, RopePass) and candidate not in passes:
+            passes.append(candidate)
+    return "; ".join(problems) if problems else passes
+
+
+def _inspect(plugin: object, name: str, early: tuple[RopePass, ...] = ()) -> _Inspection:
     """Validate the plugin with a private pluggy manager, call its hook, check the manifest.
 
-    Runs in the plugin thread: it touches no shared state, so a plugin that hangs here and
-    finishes later changes nothing.
+    ``early`` are the passes the plugin gave ``register_rope_pass`` at import. Runs in the
+    plugin thread: it touches no shared state, so a plugin that hangs here and finishes later
+    changes nothing.
     """
     pm = pluggy.PluginManager(PROJECT_NAME)
     pm.add_hookspecs(HookSpecs)
@@ -197,7 +231,7 @@ def _inspect(plugin: object, name: str) -> _Inspection:
     impl = impls[0]
     args = {"host_api_version": PLUGIN_API_VERSION}
     try:
-        manifest = impl.function(**{a: args[a] for a in impl.argnames})
+        manifest, given = collecting(lambda: impl.function(**{a: args[a] for a in impl.argnames}))
     except KeyboardInterrupt:
         raise
     except BaseException as exc:  # a plugin may raise anything; it is recorded
@@ -225,10 +259,13 @@ def _inspect(plugin: object, name: str) -> _Inspection:
             "failed",
             problems=(f"manifest.backends is not a sequence: {describe_exception(exc)}",),
         )
+    passes = _rope_passes_of(manifest, (*early, *given))
+    if isinstance(passes, str):
+        return _Inspection("failed", problems=(f"refused: {passes}",))
     judged = [_offer(backend) for backend in offered]
     offers = tuple(o for o in judged if isinstance(o, _Offer))
     problems = tuple(o for o in judged if isinstance(o, str))
-    return _Inspection("loaded", offers, problems)
+    return _Inspection("loaded", offers, problems, tuple(passes))
 
 
 @dataclass(frozen=True)
@@ -269,6 +306,8 @@ class Registry:
     def __post_init__(self) -> None:
         if self.plugin_timeout is not None:
             self.plugin_timeout = check_timeout(self.plugin_timeout)
+        # the RoPE passes its plugins brought leave with a registry nobody holds any more
+        weakref.finalize(self, withdraw_registry, self.serial)
 
     def _timeout(self) -> float:
         return self.plugin_timeout if self.plugin_timeout is not None else timeout_from_env()
@@ -320,13 +359,17 @@ class Registry:
                 out.append(self._record(PluginRecord(ep.name, source, "disabled", error=refusal)))
                 continue
             try:
-                plugin = call_plugin_code(ep.load, timeout=timeout, what=f"import of {ep.value}")
+                plugin, early = call_plugin_code(
+                    functools.partial(collecting, ep.load),
+                    timeout=timeout,
+                    what=f"import of {ep.value}",
+                )
             except PluginLoadError as exc:
                 logger.warning("backend plugin %s failed to import: %s", ep.name, exc)
                 error = f"import failed: {exc}"
                 out.append(self._record(PluginRecord(ep.name, source, "failed", error=error)))
                 continue
-            out.append(self._register(plugin, ep.name, source, origin, builtin, timeout))
+            out.append(self._register(plugin, ep.name, source, origin, builtin, timeout, early))
         return out
 
     def _saved(self) -> _State:
@@ -339,6 +382,8 @@ class Registry:
         )
 
     def _restore(self, state: _State) -> None:
+        for name in set(self._plugins) - set(state.plugins):
+            withdraw((self.serial, name))
         self._entries = dict(state.entries)
         self._records = list(state.records)
         self._plugins = dict(state.plugins)
@@ -362,6 +407,7 @@ class Registry:
         origin: str,
         builtin: bool,
         timeout: float,
+        early: tuple[RopePass, ...] = (),
     ) -> PluginRecord:
         if name in self._plugins or any(p is plugin for p in self._plugins.values()):
             return self._record(
@@ -375,10 +421,17 @@ class Registry:
             )
         try:
             found = call_plugin_code(
-                lambda: _inspect(plugin, name), timeout=timeout, what=f"hook of plugin {name}"
+                lambda: _inspect(plugin, name, early),
+                timeout=timeout,
+                what=f"hook of plugin {name}",
             )
         except PluginLoadError as exc:
             found = _Inspection("failed", problems=(str(exc),))
+        owner = (self.serial, name)
+        if found.status == "loaded":
+            taken = install(owner, found.rope_passes)
+            if taken is not None:
+                found = _Inspection("failed", problems=(f"refused: {taken}",))
         added: list[str] = []
         problems = list(found.problems)
         for offer in found.offers:
@@ -402,12 +455,15 @@ class Registry:
         status = found.status
         if status == "loaded" and problems and not added:
             status = "failed"
+        passes = tuple(p.name for p in found.rope_passes)
         if status == "loaded":
             self._plugins[name] = plugin
         else:
+            withdraw(owner)  # a plugin that failed leaves nothing behind
+            passes = ()
             logger.warning("backend plugin %s %s: %s", name, status, "; ".join(problems))
         error = "; ".join(problems) or None
-        return self._record(PluginRecord(name, source, status, tuple(added), error))
+        return self._record(PluginRecord(name, source, status, tuple(added), error, passes))
 
     def _claim_name(self, name: str, builtin: bool, origin: str) -> str | None:
         """Why a backend may not take ``name`` (taken, or kept for a built-in), else None.
@@ -445,9 +501,12 @@ class Registry:
                 left = tuple(b for b in rec.backends if b != entry.name)
                 error = "; ".join(e for e in (rec.error, note) if e)
                 status: PluginStatus = "loaded" if left else "failed"
+                passes = rec.rope_passes
                 if not left:
                     self._plugins.pop(entry.plugin, None)
-                self._records[i] = PluginRecord(rec.name, rec.source, status, left, error)
+                    withdraw((self.serial, entry.plugin))
+                    passes = ()
+                self._records[i] = PluginRecord(rec.name, rec.source, status, left, error, passes)
                 return
 
     def _record(self, record: PluginRecord) -> PluginRecord:
@@ -506,9 +565,11 @@ def reset_registry(registry: Registry | None = None) -> None:
     """Replace the process-wide registry (tests, or an engine that manages plugins itself).
 
     ``None`` makes the next `get_registry` load the entry points again, under the environment
-    of that moment.
+    of that moment. The RoPE passes the replaced registry's plugins brought are withdrawn.
     """
     refuse_reentry("reset_registry()")
     global _default
     with _default_lock:
+        if _default is not None and _default is not registry:
+            withdraw_registry(_default.serial)
         _default = registry

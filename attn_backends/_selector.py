@@ -19,6 +19,7 @@ from ._errors import InvalidArgumentError, NoBackendError, PlatformError, SpecEr
 from ._fingerprint import canonical_json
 from ._flags import derive_need_rope_kv_cache
 from ._isolation import refuse_reentry
+from ._json import json_safe
 from ._platform import Platform, detect_platform, parse_platform
 from ._policy import DISABLE_ENV, PLUGINS_ENV, PluginPolicy
 from ._protocol import NoCachePrefill
@@ -30,6 +31,7 @@ from ._registry import (
     RegistrySnapshot,
     get_registry,
 )
+from ._rope_passes import table_generation
 from ._spec import AttentionSpec
 
 logger = logging.getLogger("attn_backends")
@@ -92,12 +94,16 @@ class Selection:
     """The strict-mode canary of the winner (``off`` unless strict)."""
     policy_unmatched: tuple[str, ...] = ()
     """Names in the allow/block lists that match no plugin or registered backend (typos)."""
+    cuda_graph: bool = False
+    """Chosen for graph mode (only backends that declare ``cuda_graph`` were candidates)."""
 
     def fingerprint(self) -> str:
         """Stable text identifying the decision; equal on ranks that chose alike (values
         normalised: ``RopeSpec(10000)`` and ``RopeSpec(10000.0)`` give one text)."""
         return canonical_json(
-            {"backend": self.name, "details": dict(self.details), "spec": self.spec.to_dict()}
+            json_safe(
+                {"backend": self.name, "details": dict(self.details), "spec": self.spec.to_dict()}
+            )
         )
 
     def to_dict(self) -> dict[str, object]:
@@ -113,6 +119,7 @@ class Selection:
             "policy": self.policy.to_dict(),
             "policy_unmatched": list(self.policy_unmatched),
             "strict": self.strict,
+            "cuda_graph": self.cuda_graph,
             "canary": self.canary.to_dict(),
             "candidates": [c.to_dict() for c in self.candidates],
             "plugins": [p.to_dict() for p in self.plugins],
@@ -135,6 +142,8 @@ class Selection:
             ),
             f"strict: on; {self.canary.detail}" if self.strict else "strict: off",
         ]
+        if self.cuda_graph:
+            lines.append("graph mode: only backends that declare cuda_graph were candidates")
         if self.details:
             lines.append("details: " + ", ".join(f"{k}={v}" for k, v in self.details))
         lines.append("candidates:")
@@ -178,9 +187,68 @@ def _spec_line(spec: AttentionSpec) -> str:
     )
 
 
+def _require_bool(name: str, value: object, *, optional: bool = False) -> None:
+    """A flag must be a real bool: ``'False'`` is truthy, and would silently mean True."""
+    if isinstance(value, bool) or (optional and value is None):
+        return
+    allowed = "True, False or None" if optional else "True or False"
+    raise InvalidArgumentError(
+        f"select({name}=...) takes {allowed}, got {type(value).__name__} {value!r}"
+    )
+
+
+@dataclass(frozen=True)
+class SelectRequest:
+    """What a caller asks `select` for: the one argument set of every way into a decision.
+
+    `select`, `select_across_ranks`, `warmup`, the command line and the conformance suite all
+    build or take one, so an argument added here reaches every one of them. Checked when built
+    (a flag must be a real bool; a device or platform string must parse) and hashable, so it
+    can key a cache. ``device`` is normalised to a `torch.device` and ``platform`` to a
+    `Platform`, so equal requests written differently compare equal.
+    """
+
+    spec: AttentionSpec
+    device: torch.device | str | None = None
+    """Where the backend will run (and a strict canary runs); None: the accelerator if any."""
+    platform: Platform | str | None = None
+    """A dry-run platform such as ``cuda:sm90`` instead of detecting ``device``'s."""
+    has_kv_cache: bool = False
+    need_rope_kv_cache: bool | None = None
+    """None: derived from the spec (`derive_need_rope_kv_cache`)."""
+    backend: str | None = None
+    """An explicit backend, honoured or refused with its reasons (default: ``$ATTN_BACKEND``)."""
+    strict: bool | None = None
+    """Run the canary before trusting the winner (None: ``$ATTN_BACKENDS_STRICT``)."""
+    cuda_graph: bool = False
+    """The caller captures ``forward`` in CUDA graphs (graph mode): only backends that declare
+    ``capabilities.cuda_graph`` qualify."""
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.spec, AttentionSpec):
+            raise SpecError(f"select() takes an AttentionSpec, got {type(self.spec).__name__}")
+        if self.backend is not None and not isinstance(self.backend, str):
+            raise NoBackendError(
+                f"backend= must be a backend name (str), got {type(self.backend).__name__}"
+            )
+        _require_bool("has_kv_cache", self.has_kv_cache)
+        _require_bool("need_rope_kv_cache", self.need_rope_kv_cache, optional=True)
+        _require_bool("strict", self.strict, optional=True)
+        _require_bool("cuda_graph", self.cuda_graph)
+        object.__setattr__(self, "device", _device(self.device))
+        if isinstance(self.platform, str):
+            object.__setattr__(self, "platform", parse_platform(self.platform))
+        elif self.platform is not None and not isinstance(self.platform, Platform):
+            raise PlatformError(
+                f"platform must be a Platform, a string such as 'cuda:sm90', or None; got "
+                f"{type(self.platform).__name__}"
+            )
+
+
 @dataclass(frozen=True)
 class _Request:
-    """Everything a decision depends on besides the registry; hashable, so it keys the cache."""
+    """A `SelectRequest` resolved against the environment: everything a decision depends on
+    besides the registry; hashable, so it keys the cache."""
 
     spec: AttentionSpec
     platform: Platform
@@ -194,8 +262,6 @@ class _Request:
     canary_device: str | None
     """Where the strict canary runs; None when strict is off or the platform is a dry run."""
     cuda_graph: bool = False
-    """The caller captures ``forward`` in CUDA graphs (graph mode): only backends that declare
-    ``capabilities.cuda_graph`` qualify."""
 
 
 @dataclass
@@ -289,7 +355,9 @@ def _judge(entry: BackendEntry, req: _Request) -> _Judged:
     return _Judged(entry, reasons, score, described)
 
 
-_Key = tuple[_Request, int, int]
+_Key = tuple[_Request, int, int, int]
+"""The request, the registry's serial and generation, and the RoPE pass table's generation
+(a pass installed or withdrawn changes the ``preprocess`` a backend describes)."""
 SELECTION_CACHE_SIZE = 256
 """Decisions kept, least recently used dropped first: an engine asks a handful of distinct
 questions, but a long-lived process that builds specs on the fly must not grow forever."""
@@ -322,16 +390,6 @@ def _remember(key: _Key, selection: Selection) -> None:
             _cache.popitem(last=False)
 
 
-def _require_bool(name: str, value: object, *, optional: bool = False) -> None:
-    """A flag must be a real bool: ``'False'`` is truthy, and would silently mean True."""
-    if isinstance(value, bool) or (optional and value is None):
-        return
-    allowed = "True, False or None" if optional else "True or False"
-    raise InvalidArgumentError(
-        f"select({name}=...) takes {allowed}, got {type(value).__name__} {value!r}"
-    )
-
-
 def strict_from_env() -> bool:
     """``$ATTN_BACKENDS_STRICT`` as a bool; an unrecognised value is taken as on, with a warning."""
     raw = os.environ.get(STRICT_ENV, "").strip().lower()
@@ -343,25 +401,15 @@ def strict_from_env() -> bool:
 
 
 def _platform_for(
-    device: torch.device | str | None,
-    platform: Platform | str | None,
-    libraries: tuple[str, ...],
+    device: torch.device | None, platform: Platform | None, libraries: tuple[str, ...]
 ) -> Platform:
     """The platform to select for; a detected one has every library in ``libraries`` probed."""
-    if isinstance(platform, str):
-        return parse_platform(platform)
-    if isinstance(platform, Platform):
-        return platform
     if platform is not None:
-        raise PlatformError(
-            f"platform must be a Platform, a string such as 'cuda:sm90', or None; got "
-            f"{type(platform).__name__}"
-        )
-    dev = _device(device)
+        return platform
     try:
-        return detect_platform(dev, extra_libraries=libraries)
+        return detect_platform(device, extra_libraries=libraries)
     except (RuntimeError, AssertionError) as exc:
-        raise PlatformError(f"cannot inspect device {dev}: {exc}") from None
+        raise PlatformError(f"cannot inspect device {device}: {exc}") from None
 
 
 def _device(device: torch.device | str | None) -> torch.device | None:
@@ -379,10 +427,9 @@ def _device(device: torch.device | str | None) -> torch.device | None:
     return dev
 
 
-def _canary_device(device: torch.device | str | None, plat: Platform) -> str:
-    dev = _device(device)
-    if dev is not None:
-        return str(dev)
+def _canary_device(device: torch.device | None, plat: Platform) -> str:
+    if device is not None:
+        return str(device)
     return "cpu" if plat.kind == "cpu" else "cuda"
 
 
@@ -400,6 +447,9 @@ def select(
 ) -> Selection:
     """Pick the no-cache prefill backend for ``spec`` on this machine (or on ``platform``).
 
+    Sugar for ``select_request(SelectRequest(spec, ...), registry=registry)``; the fields of
+    `SelectRequest` say what each argument means.
+
     An explicit ``backend`` (or the ``ATTN_BACKEND`` environment variable) is honoured or
     refused with its reasons, never swapped for another. Backends switched off by
     ``ATTN_BACKENDS_DISABLE``/``ATTN_BACKENDS_PLUGINS`` are refused with a ``disabled`` reason.
@@ -416,46 +466,65 @@ def select(
     cuda_graph``: captured once per bucket, re-planned per batch) are candidates.
     """
     refuse_reentry("select()")
-    if not isinstance(spec, AttentionSpec):
-        raise SpecError(f"select() takes an AttentionSpec, got {type(spec).__name__}")
-    if backend is not None and not isinstance(backend, str):
-        raise NoBackendError(f"backend= must be a backend name (str), got {type(backend).__name__}")
-    _require_bool("has_kv_cache", has_kv_cache)
-    _require_bool("need_rope_kv_cache", need_rope_kv_cache, optional=True)
-    _require_bool("strict", strict, optional=True)
-    _require_bool("cuda_graph", cuda_graph)
+    request = SelectRequest(
+        spec,
+        device=device,
+        platform=platform,
+        has_kv_cache=has_kv_cache,
+        need_rope_kv_cache=need_rope_kv_cache,
+        backend=backend,
+        strict=strict,
+        cuda_graph=cuda_graph,
+    )
+    return select_request(request, registry=registry)
+
+
+def select_request(request: SelectRequest, *, registry: Registry | None = None) -> Selection:
+    """The decision for ``request`` (see `select`), from ``registry`` (default: the process's).
+
+    Decisions are cached (least recently used dropped first) per request, environment,
+    registry and registry generation.
+    """
+    refuse_reentry("select()")
+    if not isinstance(request, SelectRequest):
+        raise InvalidArgumentError(
+            f"select_request() takes a SelectRequest, got {type(request).__name__}"
+        )
     if registry is not None and not isinstance(registry, Registry):
         raise InvalidArgumentError(
             f"select(registry=...) takes a Registry or None, got {type(registry).__name__}"
         )
-    flag = derive_need_rope_kv_cache(spec, has_kv_cache, need_rope_kv_cache)
+    spec = request.spec
+    flag = derive_need_rope_kv_cache(spec, request.has_kv_cache, request.need_rope_kv_cache)
     reg = registry if registry is not None else get_registry()
     snap = reg.snapshot()
-    plat = _platform_for(device, platform, snap.required_libraries())
+    device = _device(request.device)
+    given = request.platform if isinstance(request.platform, Platform) else None
+    plat = _platform_for(device, given, snap.required_libraries())
     env_choice = os.environ.get(BACKEND_ENV, "").strip() or None
-    explicit = backend if backend is not None else env_choice
+    explicit = request.backend if request.backend is not None else env_choice
     source: DecisionSource = (
         "explicit"
-        if backend is not None
+        if request.backend is not None
         else "environment"
         if env_choice is not None
         else "priority"
     )
-    on = strict_from_env() if strict is None else strict
+    on = strict_from_env() if request.strict is None else request.strict
     req = _Request(
         spec=spec,
         platform=plat,
-        has_kv_cache=has_kv_cache,
+        has_kv_cache=request.has_kv_cache,
         flag=flag,
-        flag_given=need_rope_kv_cache,
+        flag_given=request.need_rope_kv_cache,
         explicit=explicit,
         source=source,
         policy=PluginPolicy.from_env(),
         strict=on,
         canary_device=_canary_device(device, plat) if on and not plat.assumed else None,
-        cuda_graph=cuda_graph,
+        cuda_graph=request.cuda_graph,
     )
-    key = (req, reg.serial, snap.generation)
+    key = (req, reg.serial, snap.generation, table_generation())
     with _cache_lock:
         cached = _cached(key)
         if cached is not None:
@@ -559,6 +628,67 @@ def _failure_lines(judged: list[_Judged]) -> list[str]:
     return lines
 
 
+def _failed_record(
+    req: _Request,
+    judged: list[_Judged],
+    snap: RegistrySnapshot,
+    unmatched: tuple[str, ...],
+    message: str,
+) -> dict[str, object]:
+    """The decision record of a selection that found no backend: `Selection.to_dict`'s shape,
+    with no winner, every candidate's verdict and reasons, and the error."""
+    candidates = [_candidate(j, False, req.platform) for j in judged]
+    return {
+        "selected": None,
+        "source": req.source,
+        "spec": req.spec.to_dict(),
+        "platform": req.platform.to_dict(),
+        "has_kv_cache": req.has_kv_cache,
+        "need_rope_kv_cache": req.flag,
+        "need_rope_kv_cache_given": req.flag_given,
+        "details": {},
+        "policy": req.policy.to_dict(),
+        "policy_unmatched": list(unmatched),
+        "strict": req.strict,
+        "cuda_graph": req.cuda_graph,
+        "canary": CANARY_OFF.to_dict(),
+        "candidates": [c.to_dict() for c in candidates],
+        "plugins": [p.to_dict() for p in snap.records],
+        "error": {"type": NoBackendError.__name__, "message": message},
+    }
+
+
+def _nothing_registered(
+    req: _Request, snap: RegistrySnapshot, unmatched: tuple[str, ...]
+) -> tuple[str, list[tuple[str, list[Reason]]]]:
+    """Why no backend is registered at all, as text and as reasons (one per plugin)."""
+    lines = [
+        f"no backend serves {_spec_line(req.spec)} on {req.platform}: no backend is registered"
+    ]
+    reasons: list[tuple[str, list[Reason]]] = []
+    if not snap.records:
+        text = (
+            "no plugin of the attn_backends entry-point group is installed (reinstall "
+            "attn-backends: its built-in backends are plugins too)"
+        )
+        lines.append(f"  - {text}")
+        reasons.append(("(no plugin)", [Reason(ReasonCode.BACKEND_SPECIFIC, text)]))
+    else:
+        lines[0] += ", because no plugin loaded one:"
+    for record in snap.records:
+        why = record.error or "it offered no backend"
+        code = ReasonCode.DISABLED if record.status == "disabled" else ReasonCode.BACKEND_SPECIFIC
+        lines.append(f"  - plugin {record.name}: {record.status}: {why}")
+        reasons.append((f"plugin {record.name}", [Reason(code, f"plugin {record.status}: {why}")]))
+    if unmatched:
+        lines.append(
+            f"${PLUGINS_ENV}/${DISABLE_ENV} name {', '.join(repr(n) for n in unmatched)}, which "
+            f"match no plugin; unset ${PLUGINS_ENV} to load every plugin, or list plugin names "
+            "(`attn-backends list` shows them)"
+        )
+    return "\n".join(lines), reasons
+
+
 def _unknown(req: _Request, snap: RegistrySnapshot) -> NoBackendError:
     known = ", ".join(e.name for e in snap.entries) or "none registered"
     where = "backend=" if req.source == "explicit" else f"${BACKEND_ENV}="
@@ -568,7 +698,7 @@ def _unknown(req: _Request, snap: RegistrySnapshot) -> NoBackendError:
         text += "; plugins not loaded: " + "; ".join(
             f"{p.name} ({p.status}: {p.error})" for p in unloaded
         )
-    return NoBackendError(text)
+    return NoBackendError(text, record=_failed_record(req, [], snap, _unmatched(req, snap), text))
 
 
 @functools.lru_cache(maxsize=64)
@@ -613,24 +743,7 @@ def _decide(req: _Request, snap: RegistrySnapshot) -> Selection:
         winner = (cand, outcome)
         break
     if winner is None:
-        if req.explicit is not None:
-            reasons = order[0].reasons
-            raise NoBackendError(
-                f"backend {req.explicit!r} was chosen explicitly ({req.source}) but cannot serve "
-                "this request; it is not swapped for another:\n"
-                + "\n".join(f"  - {r}" for r in reasons),
-                [(req.explicit, reasons)],
-            )
-        head = (
-            "no backend serves this request: this path serves no-KV-cache prefill only, and a "
-            "KV cache is present (use the engine's KV-cache attention path)"
-            if req.has_kv_cache
-            else f"no backend serves {_spec_line(req.spec)} on {req.platform}"
-        )
-        raise NoBackendError(
-            head + ":\n" + "\n".join(_failure_lines(judged)),
-            [(j.name, j.reasons) for j in judged],
-        )
+        raise _no_winner(req, judged, order, snap, unmatched)
     chosen, (bound, details, canary) = winner
     candidates = [_candidate(j, j is chosen, req.platform) for j in judged]
     order_of = {"selected": 0, "eligible": 1, "not ranked": 2, "rejected": 3}
@@ -651,7 +764,40 @@ def _decide(req: _Request, snap: RegistrySnapshot) -> Selection:
         strict=req.strict,
         canary=canary,
         policy_unmatched=unmatched,
+        cuda_graph=req.cuda_graph,
     )
+
+
+def _no_winner(
+    req: _Request,
+    judged: list[_Judged],
+    order: list[_Judged],
+    snap: RegistrySnapshot,
+    unmatched: tuple[str, ...],
+) -> NoBackendError:
+    """The error of a decision without a winner, its record attached."""
+    reasons: list[tuple[str, list[Reason]]]
+    if req.explicit is not None:
+        refused = order[0].reasons
+        text = (
+            f"backend {req.explicit!r} was chosen explicitly ({req.source}) but cannot serve "
+            "this request; it is not swapped for another:\n"
+            + "\n".join(f"  - {r}" for r in refused)
+        )
+        reasons = [(req.explicit, refused)]
+    elif not judged:
+        text, reasons = _nothing_registered(req, snap, unmatched)
+    else:
+        head = (
+            "no backend serves this request: this path serves no-KV-cache prefill only, and a "
+            "KV cache is present (use the engine's KV-cache attention path)"
+            if req.has_kv_cache
+            else f"no backend serves {_spec_line(req.spec)} on {req.platform}"
+        )
+        text = head + ":\n" + "\n".join(_failure_lines(judged))
+        reasons = [(j.name, j.reasons) for j in judged]
+    record = _failed_record(req, judged, snap, unmatched, text)
+    return NoBackendError(text, reasons, record=record)
 
 
 def _candidate(j: _Judged, selected: bool, plat: Platform) -> Candidate:

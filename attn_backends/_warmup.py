@@ -15,26 +15,28 @@ is never silent.
 
 from __future__ import annotations
 
+import math
 import os
 import time
 from collections.abc import Callable, Sequence
 from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 
 from ._backend import PrefillBackend
 from ._contract import Fp8Scales
-from ._errors import ParamsError
+from ._errors import InvalidArgumentError, ParamsError
 from ._kernels import KernelModule
 from ._params import FMHAParams
 from ._platform import Platform
 from ._presets import PRESETS
-from ._selector import select
+from ._selector import SelectRequest, select_request
 from ._spec import AttentionSpec
 
-SpecLike = AttentionSpec | str
-"""A spec, or the name of a preset (``attn-backends list`` and the README name them)."""
+SpecLike = AttentionSpec | str | SelectRequest
+"""A spec, the name of a preset (``attn-backends list`` and the README name them), or a whole
+`SelectRequest` (its ``device`` and ``platform``, when unset, are warm-up's)."""
 
 
 @dataclass(frozen=True)
@@ -116,15 +118,47 @@ def _duration(seconds: float) -> str:
     return f"{seconds:.0f} s" if seconds < 120 else f"{seconds / 60:.1f} min"
 
 
-def _named(spec: SpecLike) -> tuple[str, AttentionSpec]:
+def _named(spec: SpecLike) -> tuple[str, AttentionSpec | SelectRequest]:
+    if isinstance(spec, SelectRequest):
+        return repr(spec.spec), spec
     if isinstance(spec, AttentionSpec):
         return repr(spec), spec
     if isinstance(spec, str) and spec in PRESETS:
         return spec, PRESETS[spec]
     raise ParamsError(
-        f"warmup() takes AttentionSpecs or preset names ({', '.join(sorted(PRESETS))}), "
-        f"got {spec!r}"
+        f"warmup() takes AttentionSpecs, SelectRequests or preset names "
+        f"({', '.join(sorted(PRESETS))}), got {spec!r}"
     )
+
+
+def _request(
+    given: AttentionSpec | SelectRequest, device: torch.device, platform: Platform | str | None
+) -> SelectRequest:
+    """The request to warm up: warm-up's device and platform fill what the caller left unset."""
+    if isinstance(given, AttentionSpec):
+        return SelectRequest(given, device=device, platform=platform)
+    return replace(
+        given,
+        device=given.device if given.device is not None else device,
+        platform=given.platform if given.platform is not None else platform,
+    )
+
+
+def _check_options(max_workers: object, tick_seconds: object) -> None:
+    if isinstance(max_workers, bool) or not isinstance(max_workers, int) or max_workers < 1:
+        raise InvalidArgumentError(
+            f"warmup(max_workers=...) takes a positive int, got {type(max_workers).__name__} "
+            f"{max_workers!r}"
+        )
+    if (
+        isinstance(tick_seconds, bool)
+        or not isinstance(tick_seconds, (int, float))
+        or not (math.isfinite(tick_seconds) and tick_seconds > 0)
+    ):
+        raise InvalidArgumentError(
+            f"warmup(tick_seconds=...) takes a positive number of seconds, got "
+            f"{type(tick_seconds).__name__} {tick_seconds!r}"
+        )
 
 
 def warmup_batches(limit: int | None) -> tuple[tuple[int, ...], ...]:
@@ -133,14 +167,10 @@ def warmup_batches(limit: int | None) -> tuple[tuple[int, ...], ...]:
     return (short,) if limit is None else (short, (limit + 1, 2))
 
 
-def _run(
-    name: str,
-    spec: AttentionSpec,
-    device: torch.device,
-    lengths: tuple[int, ...],
-    platform: Platform | str | None,
-) -> WarmupStep:
-    sel = select(spec, device=device, platform=platform)
+def _run(name: str, request: SelectRequest, lengths: tuple[int, ...]) -> WarmupStep:
+    sel = select_request(request)
+    spec = request.spec
+    device = torch.device(request.device or "cpu")
     params = FMHAParams.from_lengths(lengths, device=device)
     gen = torch.Generator(device="cpu").manual_seed(len(lengths))
     qkv = torch.randn(params.rows, spec.qkv_width, generator=gen).to(
@@ -164,27 +194,34 @@ def warmup(
     platform: Platform | str | None = None,
     tick_seconds: float = 15.0,
 ) -> WarmupReport:
-    """Build or load every kernel the given specs use on ``device``; one line per step to
+    """Build or load every kernel the given specs (or `SelectRequest`s: a graph-mode request
+    warms up the backend ``cuda_graph=True`` selects) use on ``device``; one line per step to
     ``progress`` as it finishes. Raises the error of the first step to fail (a `NoBackendError`
     names every candidate's reasons) after the other steps have finished. ``platform`` overrides the
     detected one (tests run a GPU backend's path over a fake library this way). Before the
     steps it reports the cache location and the modules left to build with an estimate; while
     they run, a progress line every ``tick_seconds``."""
-    named = [_named(s) for s in ((specs,) if isinstance(specs, (AttentionSpec, str)) else specs)]
+    _check_options(max_workers, tick_seconds)
+    items: Sequence[SpecLike] = (
+        (specs,) if isinstance(specs, (AttentionSpec, str, SelectRequest)) else specs
+    )
+    named = [_named(s) for s in items]
     if not named:
         raise ParamsError("warmup() needs at least one spec or preset name")
     try:
         dev = torch.device(device)
     except (RuntimeError, TypeError) as exc:
         raise ParamsError(f"device {device!r} is not a torch device: {exc}") from None
-    jobs: list[tuple[str, AttentionSpec, tuple[int, ...]]] = []
+    jobs: list[tuple[str, SelectRequest, tuple[int, ...]]] = []
     modules: dict[str, KernelModule] = {}
-    for name, spec in named:
-        chosen = select(spec, device=dev, platform=platform)
+    for name, given in named:
+        request = _request(given, dev, platform)
+        chosen = select_request(request)
         limit = chosen.backend.capabilities.fused_rope_max_seqlen
-        jobs += [(name, spec, lengths) for lengths in warmup_batches(limit)]
+        jobs += [(name, request, lengths) for lengths in warmup_batches(limit)]
         if isinstance(chosen.backend, PrefillBackend):  # a bare protocol backend lists none
-            for module in chosen.backend.kernel_modules(spec, dev):
+            where = torch.device(request.device or dev)
+            for module in chosen.backend.kernel_modules(request.spec, where):
                 modules.setdefault(module.name, module)
     found = tuple(modules.values())
     compile_jobs = build_jobs()
@@ -195,9 +232,7 @@ def warmup(
     start = time.perf_counter()
     steps: list[WarmupStep] = []
     with ThreadPoolExecutor(max_workers=max(1, min(max_workers, len(jobs)))) as pool:
-        submitted = [
-            pool.submit(_run, name, spec, dev, lengths, platform) for name, spec, lengths in jobs
-        ]
+        submitted = [pool.submit(_run, name, request, lengths) for name, request, lengths in jobs]
         pending: set[Future[WarmupStep]] = set(submitted)
         failed: BaseException | None = None
         while pending:

@@ -3,6 +3,9 @@
 Exit status: 0 done; 1 the answer is no (no backend fits, or the canary found wrong numbers);
 2 a usage mistake, told in one line on stderr; 141 (128 + SIGPIPE, as a shell reports for a tool
 stopped by a closed pipe) when stdout was closed before the output was written, said nothing.
+Output that fits the pipe's buffer is written in full before a reader can close it, so
+``attn-backends list | head -1`` exits 0; only a reader that quits while output is still coming
+gives 141.
 """
 
 from __future__ import annotations
@@ -21,11 +24,17 @@ from ._capabilities import check_platform
 from ._cli_args import CommandLineError, CommandParser, unrecognized
 from ._cli_json import dumps
 from ._cli_spec import spec_from_args
-from ._errors import AttentionBackendError, KVCacheFlagError, PlatformError, SpecError
+from ._errors import (
+    AttentionBackendError,
+    KVCacheFlagError,
+    NoBackendError,
+    PlatformError,
+    SpecError,
+)
 from ._platform import Platform, detect_platform
 from ._presets import PRESETS
 from ._registry import get_registry
-from ._selector import BACKEND_ENV, Selection, select
+from ._selector import BACKEND_ENV, Selection, SelectRequest, select_request
 from ._warmup import warmup
 from .bench import cli as bench_cli
 
@@ -174,20 +183,26 @@ def _check_backend_name(args: argparse.Namespace) -> None:
     )
 
 
+def request_from_args(args: argparse.Namespace) -> SelectRequest:
+    """The `SelectRequest` the spec and selection flags describe."""
+    given: str | None = args.need_rope_kv_cache
+    return SelectRequest(
+        spec_from_args(args),
+        device=args.device,
+        platform=args.platform,
+        has_kv_cache=args.kv_cache,
+        need_rope_kv_cache=None if given is None else given == "true",
+        backend=args.backend,
+    )
+
+
 def _select_from_args(args: argparse.Namespace) -> Selection:
     _check_backend_name(args)
-    spec = spec_from_args(args)
-    given: str | None = args.need_rope_kv_cache
+    request = request_from_args(args)
     try:
-        return select(
-            spec,
-            device=args.device,
-            has_kv_cache=args.kv_cache,
-            need_rope_kv_cache=None if given is None else given == "true",
-            backend=args.backend,
-            platform=args.platform,
-        )
+        return select_request(request)
     except KVCacheFlagError as exc:
+        given: str | None = args.need_rope_kv_cache
         cache = "with --kv-cache" if args.kv_cache else "without --kv-cache"
         raise CommandLineError(f"--need-rope-kv-cache {given} {cache}: {exc}") from exc
 
@@ -215,24 +230,16 @@ def cmd_list(args: argparse.Namespace) -> int:
     print(f"platform: {platform}" + (" (dry run)" if platform.assumed else ""))
     for row, entry in zip(rows, registry.entries(), strict=True):
         state = "available" if row["available"] else "unavailable"
-        declared = entry.capabilities.to_dict()
         print(f"\n{row['name']}  [{state}]  plugin {row['plugin']}")
         for reason in check_platform(entry.capabilities, platform):
             print(f"    - {reason}")
-        for key in (
-            "platforms",
-            "dtypes",
-            "head_dims",
-            "gqa",
-            "causal",
-            "bidirectional",
-            "needs_contiguous",
-            "fused_rope",
-            "headwise",
-            "requires",
-            "priority",
-        ):
-            print(f"    {key}: {declared[key]}")
+        for line in declaration_lines(entry.capabilities.to_dict()):
+            print(f"    {line}")
+    passes = [(r.name, r.rope_passes) for r in registry.records() if r.rope_passes]
+    if passes:
+        print("\nRoPE passes from plugins:")
+        for plugin, names in passes:
+            print(f"  {plugin}: {', '.join(names)}")
     problems = [p for p in registry.records() if p.status != "loaded" or p.error]
     if problems:
         print("\nplugin problems:")
@@ -241,9 +248,36 @@ def cmd_list(args: argparse.Namespace) -> int:
     return EXIT_OK
 
 
+def declaration_lines(declared: Mapping[str, object]) -> list[str]:
+    """What a backend declares, every field of ``Capabilities.to_dict()`` (so a new feature
+    shows up here by itself): values one per line, the yes/no flags on two lines, an unset
+    bound (None) left out."""
+    lines = []
+    yes = [key for key, value in declared.items() if value is True]
+    no = [key for key, value in declared.items() if value is False]
+    for key, value in declared.items():
+        if value is None or isinstance(value, bool):
+            continue
+        lines.append(f"{key}: {value}")
+    lines.append(f"declares: {', '.join(yes) or '(nothing)'}")
+    lines.append(f"does not declare: {', '.join(no) or '(nothing)'}")
+    return lines
+
+
 def cmd_explain(args: argparse.Namespace) -> int:
-    selection = _select_from_args(args)
-    print(dumps(selection.to_dict()) if args.json else selection.explain())
+    if not args.json:
+        print(_select_from_args(args).explain())
+        return EXIT_OK
+    try:
+        selection = _select_from_args(args)
+    except NoBackendError as exc:
+        if exc.record is None:
+            raise
+        # the answer is no, and the record says why: JSON on stdout, the text on stderr
+        print(dumps(dict(exc.record)))
+        print(f"{PROG}: {type(exc).__name__}: {exc}", file=sys.stderr)
+        return EXIT_NO
+    print(dumps(selection.to_dict()))
     return EXIT_OK
 
 
@@ -272,7 +306,8 @@ def cmd_warmup(args: argparse.Namespace) -> int:
 
 _EPILOG = (
     "exit status: 0 done; 1 no backend fits, or the canary found wrong numbers; 2 usage "
-    "mistake (one line on stderr); 141 stdout was closed early (e.g. by `| head`)"
+    "mistake (one line on stderr); 141 stdout was closed before all the output was written "
+    "(a reader such as `head` that quit while output was still coming)"
 )
 
 

@@ -526,3 +526,99 @@ def test_rope_scaling_without_rope_names_the_fix(capsys):
     )
     assert code == 2
     assert "--rope-scaling shapes RoPE" in err and "--rope-theta THETA" in err
+
+
+# Values that look like options, an empty registry, records of a refusal, what list shows.
+
+
+@pytest.mark.parametrize(
+    ("flags", "fragments"),
+    [
+        (["--window", "-1,0"], ["argument --window", "both >= 0", "'-1,0'"]),
+        (["--window", "-5"], ["argument --window", "expected LEFT,RIGHT"]),
+        (["--logit-softcap", "-5"], ["argument --logit-softcap"]),
+    ],
+)
+def test_a_negative_value_is_read_and_refused_by_its_flag(capsys, flags, fragments):
+    code, out, err = run(capsys, "explain", "--preset", "short", *flags, "--platform", "cpu")
+    assert (code, out) == (2, "")
+    assert err.startswith("attn-backends: error: ") and err.count("\n") == 1, err
+    assert "expected one argument" not in err
+    for fragment in fragments:
+        assert fragment in err
+
+
+def test_with_every_plugin_switched_off_the_error_says_why(monkeypatch, capsys):
+    monkeypatch.setenv("ATTN_BACKENDS_PLUGINS", "none")
+    ab.reset_registry()
+    try:
+        code, out, err = run(capsys, "explain", "--preset", "short", "--platform", "cpu")
+    finally:
+        ab.reset_registry()
+    assert (code, out) == (1, "")
+    assert "no backend is registered, because no plugin loaded one" in err
+    assert "plugin torch-sdpa: disabled" in err and "$ATTN_BACKENDS_PLUGINS" in err
+
+
+def test_explain_json_prints_the_record_when_nothing_fits(capsys):
+    code, out, err = run(
+        capsys, "explain", "--preset", "bert-base", "--kv-cache", "--platform", "cpu", "--json"
+    )
+    assert code == 1
+    record = strict_json(out)
+    assert record["selected"] is None and record["has_kv_cache"] is True
+    assert record["error"]["type"] == "NoBackendError"
+    sdpa = next(c for c in record["candidates"] if c["name"] == "torch-sdpa")
+    assert sdpa["verdict"] == "rejected"
+    assert "kv_cache_present" in {r["code"] for r in sdpa["reasons"]}
+    assert "NoBackendError" in err
+
+
+def _names_after(line: str) -> set[str]:
+    return set(line.split(":", 1)[1].replace(",", " ").split())
+
+
+def test_list_text_shows_every_declared_capability(capsys):
+    code, out, _ = run(capsys, "list", "--platform", "cpu")
+    assert code == 0
+    blocks = out.split("\n\n")
+    for entry in ab.get_registry().entries():
+        block = next(b for b in blocks if b.startswith(f"{entry.name}  ["))
+        declared = entry.capabilities.to_dict()
+        lines = [line.strip() for line in block.splitlines()]
+        yes = _names_after(next(line for line in lines if line.startswith("declares:")))
+        no = _names_after(next(line for line in lines if line.startswith("does not declare:")))
+        for key, value in declared.items():
+            if value is True:
+                assert key in yes, (entry.name, key)
+            elif value is False:
+                assert key in no, (entry.name, key)
+            elif value is not None:
+                assert f"{key}: {value}" in lines, (entry.name, key)
+    sdpa = next(b for b in blocks if b.startswith("torch-sdpa  ["))
+    assert "sliding_window" in sdpa and "alibi" in sdpa and "logit_softcap" in sdpa
+
+
+def test_python_dash_m_runs_the_command():
+    result = subprocess.run(
+        [sys.executable, "-m", "attn_backends", "--version"],
+        capture_output=True,
+        text=True,
+        check=False,
+    )
+    assert (result.returncode, result.stderr) == (0, "")
+    assert result.stdout.startswith("attn-backends ")
+
+
+def test_short_output_into_a_pipe_read_after_the_command_ended_exits_0():
+    """What ``attn-backends list | head -1`` does: the output fits the pipe's buffer, so it is
+    written in full before the reader closes; 141 comes only when writing meets a closed pipe
+    (`test_a_pipe_closed_early_is_quiet`)."""
+    read_end, write_end = os.pipe()
+    try:
+        done = subprocess.run(_cli("list", "--platform", "cpu"), stdout=write_end, check=False)
+    finally:
+        os.close(write_end)
+    with os.fdopen(read_end) as reader:
+        assert reader.readline().startswith("platform: cpu")
+    assert done.returncode == 0

@@ -7,6 +7,8 @@ process group's timeout is short: a rank left waiting fails the test in seconds,
 
 from __future__ import annotations
 
+import ast
+import dataclasses
 import json
 import os
 import time
@@ -22,6 +24,7 @@ from attn_backends_builtin import torch_sdpa
 from torch.multiprocessing.spawn import start_processes
 
 import attn_backends as ab
+from attn_backends import _json
 from attn_backends._distributed import rank_fingerprint
 from tests.static_plugin import StaticPlugin
 
@@ -284,3 +287,55 @@ def test_a_detail_that_only_explains_is_not_part_of_the_decision() -> None:
     assert rank_fingerprint(on_one_host) == rank_fingerprint(on_another)
     other_pass = replace(sel, details=(*sel.details, ("preprocess", "native")))
     assert rank_fingerprint(other_pass) != rank_fingerprint(sel)
+
+
+class _GraphTwin(torch_sdpa.TorchSdpaBackend):
+    """torch-sdpa's twin that declares graph mode, ranked below it on CPU."""
+
+    name = "graph-sdpa"
+    capabilities = replace(
+        torch_sdpa.TorchSdpaBackend.capabilities,
+        cuda_graph=True,
+        priority=(ab.PriorityRule("cpu", 10),),
+    )
+
+
+def test_graph_mode_and_a_whole_request_reach_the_rank_helper() -> None:
+    reg = ab.Registry()
+    reg.register_plugin(torch_sdpa, name="torch-sdpa")
+    reg.register_plugin(StaticPlugin(_GraphTwin()), name="graph")
+    assert ab.select_across_ranks(SPEC, platform="cpu", registry=reg).name == "torch-sdpa"
+    graph = ab.select_across_ranks(SPEC, platform="cpu", registry=reg, cuda_graph=True)
+    assert graph.name == "graph-sdpa" and graph.cuda_graph
+    request = ab.SelectRequest(SPEC, platform="cpu", cuda_graph=True)
+    assert ab.select_across_ranks(request, registry=reg) is graph
+    with pytest.raises(ab.RankMismatchError) as caught:
+        ab.select_across_ranks(request, registry=reg, strict=True)
+    assert isinstance(caught.value.__cause__, ab.InvalidArgumentError)
+    assert "not both" in str(caught.value.__cause__)
+    with pytest.raises(ab.RankMismatchError) as caught:
+        ab.select_across_ranks(SPEC, registry=reg, cuda_graphs=True)
+    assert isinstance(caught.value.__cause__, ab.InvalidArgumentError)
+
+
+def test_rank_mismatch_error_lives_beside_rank_decision() -> None:
+    errors = Path(ab._errors.__file__).read_text()
+    imported = {
+        node.module
+        for node in ast.walk(ast.parse(errors))
+        if isinstance(node, ast.ImportFrom) and node.level > 0
+    }
+    assert imported == {"_reasons"}, "the errors module imports nothing above it"
+    assert ab.RankMismatchError.__module__ == "attn_backends._distributed"
+    assert issubclass(ab.RankMismatchError, ab.AttentionBackendError)
+    assert issubclass(ab.RankMismatchError, RuntimeError)
+
+
+def test_a_rank_decision_travels_as_strict_json() -> None:
+    decision = ab.RankDecision(0, "cpu", None, None, error="inf", error_type="ValueError")
+    payload = _json.dumps(dataclasses.asdict(decision), indent=None)
+    assert json.loads(payload) == dataclasses.asdict(decision)
+    assert json.loads(_json.dumps({"x": float("nan")}, indent=None)) == {
+        "x": None,
+        "x_not_finite": "nan",
+    }

@@ -25,7 +25,7 @@ import torch
 transformers = pytest.importorskip("transformers")
 
 import attn_backends as ab  # noqa: E402
-from attn_backends.integrations import _hf_features  # noqa: E402
+from attn_backends.integrations import _hf_features, _hf_mask  # noqa: E402
 from attn_backends.integrations import transformers as abt  # noqa: E402
 
 NAME = abt.register()
@@ -294,8 +294,18 @@ def test_negative_control_fails_far_above_tolerance(case_id, what, dtype, monkey
         return dataclasses.replace(spec, causal=not spec.causal)
 
     monkeypatch.setattr(abt, "_spec_for", lambda *a, **k: change(real(*a, **k)))
+    if what == "causal":  # a mask change: the check against the model's own mask refuses it
+        with pytest.raises(abt.MaskMismatchError, match=type(case.model).__name__):
+            _packed(case.model, case.cfg, case.batch)
+        _without_mask_check(monkeypatch)
     packed = _max_error(_packed(case.model, case.cfg, case.batch), case.eager)
     assert packed > 10 * case.tolerance, (packed, case.tolerance)
+
+
+def _without_mask_check(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Switch off the comparison with the model's own mask, so that a negative control shows
+    that the numbers themselves would fail too."""
+    monkeypatch.setattr(_hf_mask, "check_mask", lambda *a, **k: None)
 
 
 WINDOW_CASES = [
@@ -319,6 +329,9 @@ def test_window_one_key_too_wide_fails_far_above_tolerance(case_id, monkeypatch)
         return ab.SlidingWindow(left=sliding_window, right=0 if causal else sliding_window)
 
     monkeypatch.setattr(_hf_features, "window_from_hf", one_too_wide)
+    with pytest.raises(abt.MaskMismatchError, match="window"):
+        _packed(case.model, case.cfg, case.batch)
+    _without_mask_check(monkeypatch)
     packed = _max_error(_packed(case.model, case.cfg, case.batch), case.eager)
     assert packed > 10 * case.tolerance, (packed, case.tolerance)
 
@@ -458,7 +471,7 @@ def test_4d_masks_padding_accepted_custom_refused():
     assert _max_error(got, want) < 1e-4
     custom = four_d.clone()
     custom[0, 0, 0, 1] = False
-    with pytest.raises(ab.IntegrationError, match="not a bidirectional padding mask"):
+    with pytest.raises(abt.MaskMismatchError, match=r"BertSelfAttention.*query column 0 of row 0"):
         _run(model, NAME, input_ids=batch.input_ids, attention_mask=custom)
 
 
@@ -520,6 +533,10 @@ def test_pack_and_unpack_round_trip():
     assert packed["cu_seq_lens_q"].tolist() == [0, 3, 4, 6]
     assert packed["max_length_q"] == 3
     hidden = torch.randn(1, 6, 2)
+    with pytest.raises(ab.IntegrationError, match="no attention layer served"):
+        abt.unpack_hidden(hidden, packed["cu_seq_lens_q"])  # nothing attended to this batch yet
+    q = torch.randn(1, 4, 6, 16, generator=torch.Generator().manual_seed(4))
+    abt.attention_forward(_Layer(True), q, q, q, None, position_ids=packed["position_ids"])
     parts = abt.unpack_hidden(hidden, packed["cu_seq_lens_q"])
     assert [tuple(p.shape) for p in parts] == [(3, 2), (1, 2), (2, 2)]
     assert torch.equal(torch.cat(parts), hidden[0])

@@ -4,14 +4,16 @@ Each fault below is one plugin doing something wrong while it loads or registers
 kind of exception, calling back into the registry, never returning, declaring malformed
 capabilities, or trying to stand in for a built-in backend. For every one the test checks that
 the fault is recorded against that plugin alone and that ``select()`` still chooses torch-sdpa,
-explicitly and by default, and computes the right numbers. The totals of these tables are the
-figures the plugin guide states (`test_the_guide_states_the_counted_figures`).
+explicitly and by default, and computes the right numbers. A RoPE pass belongs to the plugin
+that brings it: checked with it, installed only if it loads, withdrawn with it.
 """
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import logging
+import re
 import sys
 import threading
 import types
@@ -27,7 +29,7 @@ import torch
 from attn_backends_builtin import torch_sdpa
 
 import attn_backends as ab
-from attn_backends import _isolation, _validation, cli
+from attn_backends import _isolation, _preprocess, _rope_passes, _validation, cli
 from tests.plugin_site import PluginSite, open_site
 from tests.static_plugin import StaticPlugin
 
@@ -729,12 +731,271 @@ def test_every_priority_rule_flag_must_be_a_bool_or_none(flag):
     assert problems == [f"rule.{flag} must be True, False or None, got 1"]
 
 
-def test_the_guide_states_the_counted_figures() -> None:
-    load = 2 * len(LOAD_FAULTS) + len(HANGS)
-    declared = len(DECLARATION_FAULTS) + len(LATE_FAULTS)
-    total = load + declared + len(IMPOSTOR_CASES)
-    text = " ".join(GUIDE.read_text().split())
-    assert f"{total} plugin faults" in text
-    assert f"{load} while a plugin loads" in text
-    assert f"{declared} malformed declarations" in text
-    assert f"{len(IMPOSTOR_CASES)} attempts to take a built-in's place" in text
+# ---- RoPE passes belong to their plugin ---------------------------------------------------------
+
+_ZZ_ROPE = """
+import attn_backends as ab
+
+def _double(packed, spec, params):
+    packed.mul_(2.0)  # wrong on purpose: a pass that must never run
+    return True
+
+ZZ = ab.RopePass("zz-vendor-rope", (("cpu", 1000),), "vendor", lambda s, p: None, _double)
+"""
+
+
+def _rope_pass_names() -> set[str]:
+    return {p.name for p in ab.rope_passes()}
+
+
+def _runs_with_the_torch_pass(reg: ab.Registry) -> None:
+    sel = ab.select(SPEC, device="cpu", registry=reg)
+    assert dict(sel.details)["preprocess"] == "torch"
+    _sdpa_still_works(reg)
+
+
+@pytest.mark.parametrize(
+    ("where", "how"),
+    [("import", "register"), ("hook", "register"), ("hook", "manifest")],
+)
+def test_a_plugin_that_fails_leaves_no_rope_pass_behind(
+    site: PluginSite, where: str, how: str
+) -> None:
+    give = "ab.register_rope_pass(ZZ)" if how == "register" else ""
+    if where == "import":
+        body = f"{_ZZ_ROPE}\n{give}\nraise ImportError('vendor library missing')\n"
+    elif how == "register":
+        body = (
+            f"{_ZZ_ROPE}\n@ab.hookimpl\ndef attn_backends_register(host_api_version):\n"
+            f"    {give}\n    raise ImportError('vendor library missing')\n"
+        )
+    else:  # a manifest whose only backend is refused: the plugin fails, its pass must go too
+        body = (
+            f"{_ZZ_ROPE}\n@ab.hookimpl\ndef attn_backends_register(host_api_version):\n"
+            "    return ab.PluginManifest('1.0', backends=[object()], rope_passes=[ZZ])\n"
+        )
+    site.add_module("zz_vendor", body)
+    site.add_dist("vendor-zz", {"zz": "zz_vendor"})
+    deprecated = pytest.warns(DeprecationWarning, match=r"PluginManifest\(rope_passes")
+    with deprecated if how == "register" else contextlib.nullcontext():
+        reg = _default_registry()
+    assert _record(reg, "zz").status == "failed"
+    assert _record(reg, "zz").rope_passes == ()
+    assert "zz-vendor-rope" not in _rope_pass_names()
+    _runs_with_the_torch_pass(reg)
+
+
+class _RopePlugin:
+    """An in-process plugin offering a torch-sdpa twin and the given RoPE passes."""
+
+    def __init__(self, *passes: object, backend: str = "vendor-sdpa") -> None:
+        self.passes = passes
+        self.backend = backend
+
+    @ab.hookimpl
+    def attn_backends_register(self, host_api_version: str) -> ab.PluginManifest:
+        twin = type("Twin", (torch_sdpa.TorchSdpaBackend,), {"name": self.backend})()
+        passes: list[ab.RopePass] = list(self.passes)  # type: ignore[arg-type]  # malformed on purpose
+        return ab.PluginManifest("1.0", backends=[twin], rope_passes=passes)
+
+
+def _never_applied(packed: torch.Tensor, spec: ab.AttentionSpec, params: ab.FMHAParams) -> bool:
+    raise AssertionError("this pass must never run")
+
+
+def _fine(spec: ab.AttentionSpec, platform: ab.Platform) -> str | None:
+    return None
+
+
+def _refusal_raises(spec: ab.AttentionSpec, platform: ab.Platform) -> str | None:
+    raise RuntimeError("vendor table corrupt")
+
+
+def _answers_int(spec: ab.AttentionSpec, platform: ab.Platform) -> object:
+    return 3
+
+
+_GOOD = ab.RopePass("vendor-rope", (("cpu", 1000),), "vendor", _fine, _never_applied)
+
+MALFORMED_PASSES: dict[str, tuple[object, str]] = {
+    "float-rank": (
+        dataclasses.replace(_GOOD, ranks=(("cpu", 1.5),)),  # type: ignore[arg-type]
+        "('cpu', 1.5) is not a",
+    ),
+    "bool-rank": (dataclasses.replace(_GOOD, ranks=(("cpu", True),)), "('cpu', True) is not a"),
+    "ranks-none": (
+        dataclasses.replace(_GOOD, ranks=None),  # type: ignore[arg-type]
+        "ranks must be a non-empty tuple",
+    ),
+    "unknown-kind": (
+        dataclasses.replace(_GOOD, ranks=(("tpu", 1),)),  # type: ignore[arg-type]
+        "('tpu', 1) is not a",
+    ),
+    "refusal-raises": (
+        dataclasses.replace(_GOOD, refusal=_refusal_raises),
+        "refusal() raised RuntimeError: vendor table corrupt",
+    ),
+    "refusal-answers-int": (
+        dataclasses.replace(_GOOD, refusal=_answers_int),  # type: ignore[arg-type]
+        "refusal() returned int",
+    ),
+    "in-kernel-name": (dataclasses.replace(_GOOD, name="fused"), "cannot be named 'fused'"),
+    "core-name": (dataclasses.replace(_GOOD, name="torch"), "already registered (by the core)"),
+    "not-a-pass": ("vendor-rope", "must be a RopePass, got str"),
+}
+"""A pass the registry must refuse (with its plugin) -> text the plugin's record holds."""
+
+
+@pytest.mark.parametrize("fault", sorted(MALFORMED_PASSES))
+def test_a_malformed_rope_pass_refuses_its_plugin_alone(fault: str) -> None:
+    bad, error = MALFORMED_PASSES[fault]
+    reg = ab.Registry()
+    reg.register_plugin(torch_sdpa, name="torch-sdpa")
+    before = _rope_pass_names()
+    record = reg.register_plugin(_RopePlugin(bad), name="vendor")
+    assert record.status == "failed"
+    assert error in (record.error or "")
+    assert record.backends == () and reg.get("vendor-sdpa") is None
+    assert _rope_pass_names() == before
+    _runs_with_the_torch_pass(reg)
+
+
+@pytest.mark.parametrize("fault", ["float-rank", "ranks-none", "refusal-raises"])
+def test_a_malformed_pass_registered_in_process_is_refused_and_rope_still_works(
+    fault: str,
+) -> None:
+    bad, error = MALFORMED_PASSES[fault]
+    with pytest.raises(ab.SpecError, match=re.escape(error)):
+        ab.register_rope_pass(bad)  # type: ignore[arg-type]
+    reg = ab.Registry()
+    reg.register_plugin(torch_sdpa, name="torch-sdpa")
+    _runs_with_the_torch_pass(reg)
+
+
+def test_a_pass_whose_refusal_raises_later_is_a_refusal_of_that_spec() -> None:
+    def picky(spec: ab.AttentionSpec, platform: ab.Platform) -> str | None:
+        if spec.head_dim == 32:  # the registration probe asks about head dim 64
+            raise RuntimeError("vendor cannot do d32")
+        return None
+
+    reg = ab.Registry()
+    reg.register_plugin(torch_sdpa, name="torch-sdpa")
+    record = reg.register_plugin(
+        _RopePlugin(dataclasses.replace(_GOOD, refusal=picky)), name="vendor"
+    )
+    assert (record.status, record.rope_passes) == ("loaded", ("vendor-rope",))
+    ab.reset_registry(reg)  # the fixture's reset withdraws the pass
+    sel = ab.select(SPEC, device="cpu", backend="torch-sdpa", registry=reg)
+    details = dict(sel.details)
+    assert details["preprocess"] == "torch"
+    assert (
+        "vendor-rope: refusal() raised RuntimeError: vendor cannot do d32"
+        in (details["preprocess_fallback"])
+    )
+    _sdpa_still_works(reg)
+
+
+def test_a_manifest_pass_is_installed_with_its_plugin_and_leaves_with_its_registry(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    declines = dataclasses.replace(_GOOD, apply=lambda packed, spec, params: False)
+    reg = ab.Registry()
+    reg.register_plugin(torch_sdpa, name="torch-sdpa")
+    record = reg.register_plugin(_RopePlugin(declines), name="vendor")
+    assert (record.status, record.rope_passes) == ("loaded", ("vendor-rope",))
+    assert record.to_dict()["rope_passes"] == ["vendor-rope"]
+    ab.reset_registry(reg)
+    sel = ab.select(SPEC, device="cpu", backend="torch-sdpa")
+    assert dict(sel.details)["preprocess"] == "vendor-rope"
+    _sdpa_still_works(reg)  # the pass declines every buffer: torch rotates, numbers stay right
+    assert cli.main(["list", "--platform", "cpu"]) == 0
+    assert "vendor: vendor-rope" in capsys.readouterr().out
+    # a second plugin cannot take the name with another object
+    impostor = dataclasses.replace(declines, note="impostor")
+    taken = reg.register_plugin(_RopePlugin(impostor, backend="other-sdpa"), name="other")
+    assert taken.status == "failed" and "already registered (by vendor)" in (taken.error or "")
+    assert reg.get("other-sdpa") is None
+    ab.reset_registry()
+    assert "vendor-rope" not in _rope_pass_names()
+    sel = ab.select(SPEC, device="cpu", backend="torch-sdpa", registry=reg)
+    assert dict(sel.details)["preprocess"] == "torch", "a withdrawn pass is not chosen any more"
+
+
+def test_no_pass_can_take_an_in_kernel_mode_name() -> None:
+    assert _rope_passes.IN_KERNEL_NAMES == _preprocess.IN_KERNEL
+
+
+def test_the_flashinfer_plugin_brings_its_pass_in_its_manifest() -> None:
+    reg = _default_registry()
+    assert _record(reg, "flashinfer").rope_passes == ("flashinfer",)
+    assert "flashinfer" in _rope_pass_names()
+    assert next(p for p in ab.rope_passes() if p.name == "flashinfer").rank("cuda") is not None
+
+
+def test_an_interrupted_load_takes_its_rope_passes_back(site: PluginSite) -> None:
+    site.add_module(
+        "a_vendor",
+        f"{_ZZ_ROPE}\n@ab.hookimpl\ndef attn_backends_register(host_api_version):\n"
+        "    return ab.PluginManifest('1.0', backends=[], rope_passes=[ZZ])\n",
+    )
+    site.add_module("b_vendor", "raise KeyboardInterrupt\n")
+    site.add_dist("a-vendor", {"a": "a_vendor"})
+    site.add_dist("b-vendor", {"b": "b_vendor"})
+    reg = ab.Registry()
+    with pytest.raises(KeyboardInterrupt):
+        reg.load_entry_points()
+    assert reg.records() == [] and "zz-vendor-rope" not in _rope_pass_names()
+
+
+# ---- the guide's examples run -------------------------------------------------------------------
+
+
+def _guide_block(marker: str) -> str:
+    """The one ```python block of the plugin guide that contains ``marker``."""
+    blocks = GUIDE.read_text().split("```python\n")[1:]
+    found = [block.split("```", 1)[0] for block in blocks if marker in block]
+    assert len(found) == 1, f"expected one python block with {marker!r}, found {len(found)}"
+    return found[0]
+
+
+def test_the_guides_priority_example_is_a_valid_declaration() -> None:
+    names: dict[str, object] = {"PriorityRule": ab.PriorityRule}
+    exec(_guide_block("PriorityRule("), names)
+    caps = ab.Capabilities(
+        platforms=frozenset({"cuda"}),
+        dtypes=frozenset({torch.float16}),
+        priority=names["priority"],  # type: ignore[arg-type]
+    )
+    assert _validation.capability_problems(caps) == []
+    sm90 = ab.parse_platform("cuda:sm90")
+    spec = ab.AttentionSpec(8, 8, 64, torch.float16, causal=True)
+    rule = caps.priority_for(spec, sm90)
+    assert rule is not None and rule.score == 150
+
+
+def test_the_guides_rope_pass_example_registers_with_its_plugin() -> None:
+    module = types.ModuleType("guide_rope_plugin")
+    module.__dict__.update(
+        {name: getattr(ab, name) for name in ("AttentionSpec", "FMHAParams", "Platform")}
+    )
+    module.__dict__.update(
+        RopePass=ab.RopePass,
+        PluginManifest=ab.PluginManifest,
+        hookimpl=ab.hookimpl,
+        torch=torch,
+        MyFmhaBackend=type("MyFmhaBackend", (torch_sdpa.TorchSdpaBackend,), {"name": "my-fmha"}),
+    )
+    exec(_guide_block("rope_passes=["), module.__dict__)
+    reg = ab.Registry()
+    record = reg.register_plugin(module, name="guide")
+    assert (record.status, record.rope_passes, record.error) == (
+        "loaded",
+        ("my-vendor-rope",),
+        None,
+    )
+    ab.reset_registry(reg)  # the fixture's reset withdraws the pass
+    interleaved = ab.RopeSpec(1e4, interleaved=True)
+    refusal = next(p for p in ab.rope_passes() if p.name == "my-vendor-rope").refusal
+    assert refusal(dataclasses.replace(SPEC, rope=interleaved), ab.parse_platform("cuda:sm90")) == (
+        "rotates rotate-half pairs only"
+    )

@@ -4,6 +4,9 @@ environment's allow/block lists, registering versus being chosen, and strict sta
 from __future__ import annotations
 
 import logging
+import os
+import re
+import subprocess
 import sys
 from collections.abc import Iterator
 from pathlib import Path
@@ -410,3 +413,50 @@ def test_a_refused_generated_case_fails_but_a_missing_platform_skips() -> None:
     gpu_only = ab.parse_platform("cuda:sm90")
     with pytest.raises(pytest.skip.Exception, match="cannot run here"):
         testing.run_case("regressed-sdpa", f16, "cpu", registry=reg, platform=gpu_only)
+
+
+def _conformance_run(tmp_path: Path, *args: str) -> subprocess.CompletedProcess[str]:
+    """``pytest --attn-backend ...`` in a directory of its own, as a plugin author runs it."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith("ATTN_")}
+    env["PYTHONPATH"] = os.pathsep.join(p for p in sys.path if p)
+    return subprocess.run(
+        [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", *args],
+        cwd=tmp_path,
+        env=env,
+        capture_output=True,
+        text=True,
+        check=False,
+        timeout=600,
+    )
+
+
+def test_a_conformance_run_that_checked_no_numbers_fails_loudly(tmp_path: Path) -> None:
+    """flashinfer's suite on a CPU machine runs only refusal cases: that is not a pass."""
+    done = _conformance_run(tmp_path, "--attn-backend", "flashinfer")
+    assert done.returncode == 1, done.stdout[-3000:]
+    assert "flashinfer: 0 numeric case(s) compared with the float64 reference" in done.stdout
+    assert "NO NUMBERS CHECKED for flashinfer" in done.stdout
+    assert " failed" not in done.stdout.splitlines()[-1], "no test failed: the run itself does"
+
+
+def test_a_refusals_only_run_can_be_asked_for_and_still_says_so(tmp_path: Path) -> None:
+    done = _conformance_run(
+        tmp_path,
+        "--attn-backend",
+        "flashinfer",
+        "--attn-backend-allow-no-numbers",
+        "-k",
+        "refuses_kv_cache",
+    )
+    assert done.returncode == 0, done.stdout[-3000:]
+    assert "NO NUMBERS CHECKED for flashinfer" in done.stdout
+    assert "Allowed by --attn-backend-allow-no-numbers" in done.stdout
+
+
+def test_a_conformance_run_that_checked_numbers_says_how_many(tmp_path: Path) -> None:
+    done = _conformance_run(tmp_path, "--attn-backend", "torch-sdpa", "-k", "interleaved")
+    assert done.returncode == 0, done.stdout[-3000:]
+    assert re.search(
+        r"torch-sdpa: [1-9]\d* numeric case\(s\) compared with the float64", done.stdout
+    )
+    assert "NO NUMBERS CHECKED" not in done.stdout

@@ -306,3 +306,73 @@ def test_fingerprint_normalises_equal_values():
         platform="cpu",
     )
     assert changed.fingerprint() != one.fingerprint()
+
+
+def test_a_select_request_is_checked_normalised_and_hashable(registry):
+    given = ab.SelectRequest(SPEC, device="cpu", platform="cpu")
+    same = ab.SelectRequest(SPEC, device=torch.device("cpu"), platform=ab.parse_platform("cpu"))
+    assert given == same and hash(given) == hash(same) and len({given, same}) == 1
+    assert given.device == torch.device("cpu") and given.platform == ab.parse_platform("cpu")
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        given.strict = True  # type: ignore[misc]
+    chosen = ab.select_request(given, registry=registry)
+    assert chosen is ab.select(SPEC, device="cpu", platform="cpu", registry=registry)
+    assert chosen.name == "fast" and chosen.to_dict()["cuda_graph"] is False
+
+
+@pytest.mark.parametrize(
+    ("fields", "error", "match"),
+    [
+        ({"cuda_graph": "yes"}, ab.InvalidArgumentError, r"select\(cuda_graph=\.\.\.\) takes True"),
+        ({"has_kv_cache": 0}, ab.InvalidArgumentError, r"select\(has_kv_cache=\.\.\.\)"),
+        ({"platform": "gpu"}, ab.PlatformError, "cannot parse platform 'gpu'"),
+        ({"platform": 90}, ab.PlatformError, "platform must be a Platform"),
+        ({"device": "tpu"}, ab.PlatformError, "device 'tpu'"),
+        ({"backend": 3}, ab.NoBackendError, r"backend= must be a backend name \(str\)"),
+    ],
+)
+def test_a_bad_select_request_is_refused_when_built(fields, error, match):
+    with pytest.raises(error, match=match):
+        ab.SelectRequest(SPEC, **fields)
+
+
+def test_select_request_takes_only_a_select_request():
+    with pytest.raises(ab.InvalidArgumentError, match="takes a SelectRequest, got AttentionSpec"):
+        ab.select_request(SPEC)  # type: ignore[arg-type]
+    with pytest.raises(ab.SpecError, match="takes an AttentionSpec, got str"):
+        ab.SelectRequest("qwen3")  # type: ignore[arg-type]
+
+
+def test_a_failed_selection_carries_its_decision_record(registry):
+    fp16 = ab.AttentionSpec(8, 2, 64, torch.float16, causal=True)
+    with pytest.raises(ab.NoBackendError) as info:
+        ab.select(fp16, platform="cpu", registry=registry)
+    record = info.value.record
+    assert record is not None
+    record = json.loads(json.dumps(record))
+    assert record["selected"] is None and record["spec"]["dtype"] == "float16"
+    assert record["error"]["type"] == "NoBackendError"
+    by_name = {c["name"]: c for c in record["candidates"]}
+    assert set(by_name) == {"fast", "slow", "gpu-only", "unranked"}
+    assert by_name["fast"]["verdict"] == "rejected"
+    assert by_name["fast"]["reasons"][0]["code"] == "dtype"
+
+
+def test_with_no_backend_registered_the_error_says_which_plugins_did_not_load_and_why(
+    monkeypatch,
+):
+    monkeypatch.setenv("ATTN_BACKENDS_PLUGINS", "none")
+    reg = ab.Registry()
+    reg.load_entry_points()
+    assert reg.entries() == [] and reg.records()
+    with pytest.raises(ab.NoBackendError) as info:
+        ab.select(SPEC, platform="cpu", registry=reg)
+    text = str(info.value)
+    assert "no backend is registered, because no plugin loaded one" in text
+    assert (
+        "plugin torch-sdpa: disabled: plugin 'torch-sdpa' is not in $ATTN_BACKENDS_PLUGINS" in text
+    )
+    assert "name 'none', which match no plugin; unset $ATTN_BACKENDS_PLUGINS" in text
+    assert info.value.reasons, "the reasons name every plugin that did not load"
+    codes = {r.code for _, reasons in info.value.reasons for r in reasons}
+    assert codes == {ab.ReasonCode.DISABLED}

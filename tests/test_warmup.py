@@ -157,3 +157,21 @@ def test_a_failing_step_is_raised_after_the_others_finish(monkeypatch):
     with pytest.raises(ab.BackendFailure, match="short: kernel build failed"):
         ab.warmup(["bge-m3", "short"], device="cpu", progress=lines.append)
     assert any(line.startswith("[1/2] bge-m3: torch-sdpa") for line in lines), lines
+
+
+@pytest.mark.parametrize(
+    ("option", "value"),
+    [("max_workers", "4"), ("max_workers", 0), ("max_workers", True), ("tick_seconds", 0)],
+)
+def test_bad_options_are_named_errors(option, value):
+    with pytest.raises(ab.InvalidArgumentError, match=rf"warmup\({option}=\.\.\.\)"):
+        ab.warmup("bge-m3", device="cpu", **{option: value})
+
+
+def test_a_whole_request_is_warmed_up_as_asked():
+    fp32 = ab.AttentionSpec(4, 4, 64, torch.float32, causal=True)
+    report = ab.warmup(ab.SelectRequest(fp32, backend="flex"), device="cpu")
+    assert {step.backend for step in report.steps} == {"flex"}
+    assert report.device == "cpu"
+    with pytest.raises(ab.NoBackendError, match="cuda_graph"):
+        ab.warmup(ab.SelectRequest(fp32, cuda_graph=True), device="cpu")

@@ -18,6 +18,11 @@ model has already applied RoPE, so only the score-side features arrive here:
 
 ALiBi never arrives here: BLOOM and MPT compute their attention inside their own modules
 without transformers' attention-function registry, so no registered function sees them.
+
+Some features reach only the mask hook: Llama 4's chunked attention (``attention_chunk_size``)
+is a mask (``create_chunked_causal_mask``), never a kwarg. The spec has no chunk field yet, so
+`refuse_mask_features` refuses it by name, whatever the batch's lengths; a chunk feature
+would turn that refusal into a spec field here.
 """
 
 from __future__ import annotations
@@ -30,7 +35,7 @@ import torch
 from .._errors import FeatureNotSupportedError, IntegrationError
 from .._features import SlidingWindow
 
-__all__ = ["hf_features", "window_from_hf"]
+__all__ = ["hf_features", "refuse_mask_features", "window_from_hf"]
 
 _REFUSED = {
     "s_aux": "s_aux (attention sinks)",
@@ -81,3 +86,16 @@ def _short(value: object) -> str:
     if isinstance(value, torch.Tensor):
         return f"<tensor {tuple(value.shape)}>"
     return repr(value)
+
+
+def refuse_mask_features(config: Any, local_size: object, model_name: str) -> None:
+    """Raise `FeatureNotSupportedError` when the mask hook is asked for a mask kind the spec
+    cannot express: the chunked mask (``local_size`` is the config's ``attention_chunk_size``)."""
+    # the config is transformers' untyped object; only chunked models carry this attribute
+    chunk = getattr(config, "attention_chunk_size", None)
+    if chunk is not None and local_size == chunk:
+        raise FeatureNotSupportedError(
+            f"{model_name} asks for chunked attention (attention_chunk_size={chunk}: queries "
+            "see keys of their own chunk only), which attn_backends does not support yet; "
+            "load this model with attn_implementation='sdpa' or 'eager'"
+        )

@@ -9,14 +9,13 @@ framework; `attn_backends.integrations.transformers` decides which source descri
 from __future__ import annotations
 
 import itertools
-from collections.abc import Sequence
+from collections.abc import Hashable, Sequence
 from dataclasses import dataclass, field
 
 import torch
 
 from .._errors import IntegrationError
 from .._params import FMHAParams
-from .._spec import AttentionSpec
 
 
 @dataclass(frozen=True, eq=False)
@@ -29,8 +28,15 @@ class BatchLayout:
     cells: tuple[torch.Tensor, torch.Tensor] | None
     """``(row, column)`` int64 indices of the valid tokens in order, or None when every cell
     is valid (the rows are used as they are, no gather)."""
-    plans: dict[AttentionSpec, object] = field(default_factory=dict)
-    """One plan per spec: layers of one spec share it."""
+    valid: torch.Tensor | None = None
+    """``[batch, seq]`` bool, the valid cells, when a row holds one sequence with padding
+    around or inside it; None when every cell is valid."""
+    segments: tuple[tuple[int, int, int], ...] = ()
+    """``(row, start, stop)`` of each sequence when rows are packed with several sequences;
+    empty when each row is one sequence (see ``valid``)."""
+    plans: dict[Hashable, tuple[object, object]] = field(default_factory=dict)
+    """``(backend, plan)`` per backend and spec: layers of one spec on one backend share the
+    plan; the backend object is kept to check that its id is still its own."""
 
 
 def _layout(
@@ -39,9 +45,22 @@ def _layout(
     seq: int,
     device: torch.device,
     cells: tuple[torch.Tensor, torch.Tensor] | None,
+    *,
+    valid: torch.Tensor | None = None,
+    segments: tuple[tuple[int, int, int], ...] = (),
 ) -> BatchLayout:
     params = FMHAParams.from_lengths([n for n in lengths if n > 0], device=device)
-    return BatchLayout(batch, seq, params, cells)
+    return BatchLayout(batch, seq, params, cells, valid, segments)
+
+
+def _packed(
+    bounds: Sequence[tuple[int, int]], batch: int, seq: int, device: torch.device
+) -> BatchLayout:
+    """Sequences at flat ``[start, stop)`` token ranges of the ``batch x seq`` rows."""
+    segments = tuple((a // seq, a % seq, a % seq + (b - a)) for a, b in bounds if b > a)
+    if len(segments) == batch:
+        return full_rows(batch, seq, device)
+    return _layout([b - a for a, b in bounds], batch, seq, device, None, segments=segments)
 
 
 def full_rows(batch: int, seq: int, device: torch.device) -> BatchLayout:
@@ -65,7 +84,7 @@ def from_padding_mask(mask: torch.Tensor) -> BatchLayout:
     if sum(lengths) == 0:
         raise IntegrationError("the attention mask marks no token as valid; pass a real batch")
     rows, cols = valid.nonzero(as_tuple=True)
-    return _layout(lengths, batch, seq, mask.device, (rows, cols))
+    return _layout(lengths, batch, seq, mask.device, (rows, cols), valid=valid)
 
 
 def from_cu_seqlens(cu_seqlens: torch.Tensor, batch: int, seq: int) -> BatchLayout:
@@ -82,10 +101,10 @@ def from_cu_seqlens(cu_seqlens: torch.Tensor, batch: int, seq: int) -> BatchLayo
             f"cu_seq_lens must start at 0 and end at the packed length {seq}; got {bounds[:4]}"
             f"{'...' if len(bounds) > 4 else ''} ending at {bounds[-1] if bounds else None}"
         )
-    lengths = [b - a for a, b in itertools.pairwise(bounds)]
-    if any(n < 0 for n in lengths):
+    pairs = list(itertools.pairwise(bounds))
+    if any(b < a for a, b in pairs):
         raise IntegrationError("cu_seq_lens must be non-decreasing prefix sums of the lengths")
-    return _layout(lengths, batch, seq, cu_seqlens.device, None)
+    return _packed(pairs, batch, seq, cu_seqlens.device)
 
 
 def from_position_ids(position_ids: torch.Tensor, batch: int, seq: int) -> BatchLayout:
@@ -98,28 +117,4 @@ def from_position_ids(position_ids: torch.Tensor, batch: int, seq: int) -> Batch
     starts.view(batch, seq)[:, 0] = True
     begin = starts.nonzero().reshape(-1).tolist()
     ends = [*begin[1:], batch * seq]
-    lengths = [e - b for b, e in zip(begin, ends, strict=True)]
-    return _layout(lengths, batch, seq, position_ids.device, None)
-
-
-def padding_of_4d(mask: torch.Tensor, *, causal: bool) -> torch.Tensor | None:
-    """The ``[B, S]`` padding mask behind a 4-D mask ``[B, 1 or H, S, S]`` that only pads (and,
-    when ``causal``, hides the future), or None when the mask says anything else.
-
-    A key is valid when its own query sees it (the diagonal); the mask must then equal the
-    padding (and causal) pattern on every valid query row. Rows of padding queries are free:
-    their outputs are zeros here and ignored by the model.
-    """
-    if mask.dim() != 4 or mask.shape[-1] != mask.shape[-2]:
-        return None
-    allowed = mask if mask.dtype == torch.bool else mask == 0
-    if not bool((allowed == allowed[:, :1]).all()):
-        return None  # heads differ
-    allowed = allowed[:, 0]
-    seq = allowed.shape[-1]
-    valid = allowed.diagonal(dim1=-2, dim2=-1)
-    expected = valid[:, None, :].expand_as(allowed)
-    if causal:
-        expected = expected & torch.ones(seq, seq, dtype=torch.bool, device=mask.device).tril()
-    agree = (allowed == expected) | ~valid[:, :, None]
-    return valid if bool(agree.all()) else None
+    return _packed(list(zip(begin, ends, strict=True)), batch, seq, position_ids.device)

@@ -3,9 +3,21 @@
 ``register()`` adds an attention function (and a matching mask function) to transformers'
 registries; a model loaded with ``attn_implementation="attn_backends"`` then calls it in every
 layer with Q/K/V ``[B, H, S, D]``, already rotated by the model. The function builds an
-`AttentionSpec` from the call (``rope=None``: nothing left to rotate), lets `select` pick a
-backend once per spec, prepares one plan per batch for all layers, and runs the backend on
-``[tokens, H, D]`` views.
+`AttentionSpec` from the call (``rope=None``: nothing left to rotate), asks `select` for a
+backend once per spec and forward, prepares one plan per batch, backend and spec for all
+layers, and runs the backend on ``[tokens, H, D]`` views.
+
+The rule: the model computes exactly its own attention, or the call raises a named error
+(`IntegrationError`, `FeatureNotSupportedError`, `MaskMismatchError`) that names the model,
+what it asked for and what to do instead. To keep it:
+
+- the mask hook refuses models whose attention modules bypass the registry
+  (`_hf_models`, transformers' own ``_can_set_attn_implementation`` signal) and mask kinds
+  the spec has no field for (chunked attention, `_hf_features`);
+- the hook records the model's ``mask_function``; the attention function evaluates it once
+  per batch and compares it with what the spec computes over the batch's layout (`_hf_mask`);
+- 4-D masks are read by content, never by identity; `unpack_hidden` refuses packed
+  boundaries that no attention layer read.
 
 Two input forms:
 
@@ -17,38 +29,37 @@ Two input forms:
 
 Sliding windows and logit soft-capping become spec fields (`_hf_features` is the mapping);
 a model that alternates local and global layers gets one plan per distinct spec per batch.
-What the library cannot serve is refused with `IntegrationError` (dropout while training,
-``output_attentions``, a 4-D mask that is not a padding/causal mask, cross-attention or a KV
-cache) or `FeatureNotSupportedError` (attention sinks, a learned position bias).
 
 Each new decision is logged (logger ``attn_backends``, INFO) with the layer class, the spec
 and the backend; `decisions()` returns them all.
 
-transformers is imported only inside `register`: ``import attn_backends`` never needs it.
+transformers is imported only inside `register` and the hooks: ``import attn_backends`` never
+needs it.
 """
 
 from __future__ import annotations
 
 import functools
-import itertools
 import logging
 import threading
-from collections.abc import Mapping, Sequence
-from typing import Any, TypedDict
+from collections.abc import Hashable, Mapping
+from typing import Any
 
 import torch
 
-from .._errors import IntegrationError
+from .._errors import IntegrationError, MaskMismatchError
 from .._selector import Selection, select
 from .._spec import AttentionSpec
-from . import _hf_features, _layout
-from ._batch_cache import cached_layout, new_forward_pass
+from . import _hf_features, _hf_mask, _hf_models, _layout
+from ._hf_mask import MaskRequest
 from ._layout import BatchLayout
+from ._packed import PackedBatch, mark_served, pack_sequences, unpack_hidden
 
 DEFAULT_NAME = "attn_backends"
 
 __all__ = [
     "DEFAULT_NAME",
+    "MaskMismatchError",
     "PackedBatch",
     "attention_forward",
     "decisions",
@@ -58,8 +69,10 @@ __all__ = [
     "unpack_hidden",
 ]
 
-_selections: dict[tuple[AttentionSpec, torch.device, str | None], Selection] = {}
-_selections_lock = threading.Lock()
+_decided: dict[tuple[AttentionSpec, torch.device, str | None, str], Selection] = {}
+"""Every distinct decision served so far, for `decisions()` and the log; never read to serve
+(each forward asks `select`, whose own cache follows the registry and the environment)."""
+_decided_lock = threading.Lock()
 logger = logging.getLogger("attn_backends")
 
 
@@ -84,10 +97,11 @@ def register(name: str = DEFAULT_NAME, *, backend: str | None = None) -> str:
 
 
 def decisions() -> list[Selection]:
-    """The backend decisions the attention function has made so far (one per spec, device and
-    requested backend): ``[s.name for s in decisions()]`` says which backend served a model."""
-    with _selections_lock:
-        return list(_selections.values())
+    """The backend decisions the attention function has served so far (one per spec, device,
+    requested backend and chosen backend): ``[s.name for s in decisions()]`` says which
+    backend served a model."""
+    with _decided_lock:
+        return list(_decided.values())
 
 
 def padding_mask(
@@ -97,18 +111,50 @@ def padding_mask(
     q_offset: int = 0,
     kv_offset: int = 0,
     attention_mask: torch.Tensor | None = None,
-    **_: object,
-) -> torch.Tensor | None:
-    """transformers' mask hook: the 2-D padding mask as given (a new view object), or None.
+    **kwargs: Any,
+) -> torch.Tensor:
+    """transformers' mask hook: a ``[batch, kv_length]`` bool padding mask (a new tensor).
 
-    No ``[B, 1, S, S]`` mask is built: causality is the spec's ``causal`` flag and the padding
-    becomes sequence lengths. A model builds its masks once per forward, before its first
-    layer, so this is also where the per-batch layouts of the previous forward expire.
+    No ``[B, 1, S, S]`` mask is built. The hook refuses models whose attention bypasses the
+    registry (they would add this tensor to their scores) and mask kinds the spec cannot
+    express, and records the model's ``mask_function`` with the returned tensor: the
+    attention function evaluates it once per batch against what it computes.
     """
-    new_forward_pass()
-    if attention_mask is None:
-        return None
-    return attention_mask[:, -kv_length:]
+    config = kwargs.get("config")
+    model = _hf_models.model_name(config) if config is not None else "the model"
+    if config is not None:
+        _hf_models.refuse_bypassing_model(config)
+        _hf_features.refuse_mask_features(config, kwargs.get("local_size"), model)
+    if q_length != kv_length or q_offset != 0 or kv_offset != 0:
+        raise IntegrationError(
+            f"{model} asks for {q_length} queries against {kv_length} keys at offsets "
+            f"{q_offset}/{kv_offset}: a KV cache continuing earlier tokens, which the no-cache "
+            "prefill path does not serve; call the model with use_cache=False on a whole batch"
+        )
+    device = torch.device(kwargs.get("device", "cpu"))
+    padding: torch.Tensor | None = None
+    if attention_mask is not None:
+        if attention_mask.dim() != 2 or attention_mask.shape[0] != batch_size:
+            raise IntegrationError(
+                f"{model}: the mask hook takes a [batch, seq] padding mask, got shape "
+                f"{tuple(attention_mask.shape)}"
+            )
+        padding = attention_mask[:, -kv_length:].to(device=device, dtype=torch.bool, copy=True)
+    token = (
+        padding.clone()
+        if padding is not None
+        else torch.ones(batch_size, kv_length, dtype=torch.bool, device=device)
+    )
+    if padding is not None and bool(padding.all()):
+        padding = None
+    function = kwargs.get("mask_function")
+    evaluate = (
+        _hf_mask.hook_mask(function, padding, bool(kwargs.get("use_vmap", False)), device)
+        if callable(function)
+        else None
+    )
+    request = MaskRequest(model, batch_size, kv_length, device, padding, evaluate)
+    return _hf_mask.record(token, request)
 
 
 def _refuse_unsupported_call(
@@ -173,14 +219,36 @@ def _spec_for(
 
 
 def _selection(
-    spec: AttentionSpec, device: torch.device, backend: str | None, module: torch.nn.Module
+    spec: AttentionSpec,
+    device: torch.device,
+    backend: str | None,
+    module: torch.nn.Module,
+    request: MaskRequest | None,
 ) -> Selection:
+    """`select`'s decision, asked once per forward (per batch and spec) when the mask hook
+    ran, else per call: its cache follows the registry, the policy and the environment."""
     key = (spec, device, backend)
-    found = _selections.get(key)
+    found = request.selections.get(key) if request is not None else None
     if found is None:
         found = select(spec, device=device, backend=backend)
-        with _selections_lock:
-            _selections[key] = found
+        if request is not None:
+            request.selections[key] = found
+        _log_decision(found, spec, device, backend, module)
+    return found
+
+
+def _log_decision(
+    found: Selection,
+    spec: AttentionSpec,
+    device: torch.device,
+    backend: str | None,
+    module: torch.nn.Module,
+) -> None:
+    key = (spec, device, backend, found.name)
+    with _decided_lock:
+        new = key not in _decided
+        _decided[key] = found
+    if new:
         logger.info(
             "attn_backends: %s on %s served by %s (causal=%s, window=%s, logit_softcap=%s, "
             "%d/%d heads, head_dim %d, %s)",
@@ -195,44 +263,16 @@ def _selection(
             spec.head_dim,
             str(spec.dtype).removeprefix("torch."),
         )
-    return found
 
 
-def _batch_layout(
-    attention_mask: torch.Tensor | None,
-    batch: int,
-    seq: int,
-    device: torch.device,
-    spec: AttentionSpec,
-    kwargs: Mapping[str, Any],
-) -> BatchLayout:
-    """The layout from the first source that describes the batch: the mask, then the
-    ``cu_seq_lens_q`` kwarg, then 2-D ``position_ids``; otherwise each row is one sequence."""
-    if attention_mask is not None:
-        if attention_mask.dim() == 4:
-            return cached_layout(
-                "mask4d",
-                attention_mask,
-                (spec.causal,),
-                lambda: _layout.from_padding_mask(_padding_of_4d(attention_mask, spec.causal)),
-            )
-        if attention_mask.dim() != 2 or tuple(attention_mask.shape) != (batch, seq):
-            raise IntegrationError(
-                f"attention mask of shape {tuple(attention_mask.shape)} for a batch of {batch} x "
-                f"{seq} tokens; pass the 2-D [batch, seq] padding mask"
-            )
-        return cached_layout(
-            "mask", attention_mask, (), lambda: _layout.from_padding_mask(attention_mask)
-        )
+def _packed_source(
+    batch: int, seq: int, kwargs: Mapping[str, Any]
+) -> tuple[str, torch.Tensor] | None:
+    """The kwarg that packs several sequences into a row: ``cu_seq_lens_q``, else 2-D
+    ``position_ids`` (they split a row where they stop counting up by one)."""
     cu = kwargs.get("cu_seq_lens_q")
     if isinstance(cu, torch.Tensor):
-        cu_k = kwargs.get("cu_seq_lens_k")
-        return cached_layout(
-            "cu_seqlens",
-            cu,
-            (batch, seq, id(cu_k)),
-            lambda: _layout.from_cu_seqlens(_same_keys(cu, cu_k), batch, seq),
-        )
+        return "cu_seqlens", cu
     positions = kwargs.get("position_ids")
     if (
         isinstance(positions, torch.Tensor)
@@ -240,14 +280,115 @@ def _batch_layout(
         and positions.shape[-1] == seq
         and positions.shape[0] in (1, batch)
     ):
-        return cached_layout(
-            "positions",
-            positions,
-            (batch, seq),
-            lambda: _layout.from_position_ids(positions, batch, seq),
+        return "positions", positions
+    return None
+
+
+def _packed_layout(
+    kind: str, source: torch.Tensor, batch: int, seq: int, kwargs: Mapping[str, Any]
+) -> BatchLayout:
+    if kind == "cu_seqlens":
+        cu_k = kwargs.get("cu_seq_lens_k")
+        return _layout.from_cu_seqlens(_same_keys(source, cu_k), batch, seq)
+    return _layout.from_position_ids(source, batch, seq)
+
+
+def _hooked_layout(
+    request: MaskRequest, batch: int, seq: int, kwargs: Mapping[str, Any], layer: str
+) -> BatchLayout:
+    """The layout of a batch whose mask came from the hook: packed by the kwargs when the
+    batch has no padding, else the padding's rows; once per forward and source."""
+    if (batch, seq) != (request.batch, request.length):
+        raise IntegrationError(
+            f"{request.model} ({layer}): the mask was built for {request.batch} x "
+            f"{request.length} tokens but the layer attends {batch} x {seq}; attn_backends "
+            "serves self-attention over the whole batch only"
         )
-    return cached_layout(
-        "full", None, (batch, seq, device), lambda: _layout.full_rows(batch, seq, device)
+    packed = _packed_source(batch, seq, kwargs)
+    if packed is not None and request.padding is None:
+        kind, source = packed
+        key: Hashable = (kind, id(source))
+        entry = request.layouts.get(key)
+        if entry is None or entry[0] is not source:
+            entry = (source, _packed_layout(kind, source, batch, seq, kwargs))
+            request.layouts[key] = entry  # the source kept alive: its id stays its own
+        if entry[1].segments:
+            mark_served(source)
+        return entry[1]
+    entry = request.layouts.get("rows")
+    if entry is None:
+        rows = (
+            _layout.from_padding_mask(request.padding)
+            if request.padding is not None
+            else _layout.full_rows(batch, seq, request.device)
+        )
+        entry = (None, rows)
+        request.layouts["rows"] = entry
+    return entry[1]
+
+
+def _unhooked_layout(
+    batch: int, seq: int, device: torch.device, kwargs: Mapping[str, Any]
+) -> BatchLayout:
+    """No mask at all (the model built none through the hook): the kwargs pack the rows, or
+    each row is one sequence, as transformers' sdpa path reads a missing mask. Without the
+    hook nothing marks where a forward starts, so a packed layout is derived per call from the
+    kwargs' content (an inference tensor rewritten in place keeps no version to tell)."""
+    packed = _packed_source(batch, seq, kwargs)
+    if packed is not None:
+        kind, source = packed
+        layout = _packed_layout(kind, source, batch, seq, kwargs)
+        if layout.segments:
+            mark_served(source)
+        return layout
+    return _full_rows(batch, seq, device)
+
+
+@functools.lru_cache(maxsize=16)
+def _full_rows(batch: int, seq: int, device: torch.device) -> BatchLayout:
+    """Whole rows: the layout depends on the shape alone, so it is shared across batches."""
+    return _layout.full_rows(batch, seq, device)
+
+
+def _batch_layout(
+    module: torch.nn.Module,
+    attention_mask: torch.Tensor | None,
+    request: MaskRequest | None,
+    batch: int,
+    seq: int,
+    device: torch.device,
+    spec: AttentionSpec,
+    kwargs: Mapping[str, Any],
+) -> BatchLayout:
+    """The batch's layout, checked against the model's own mask wherever there is one."""
+    layer = type(module).__name__
+    if request is not None:
+        layout = _hooked_layout(request, batch, seq, kwargs, layer)
+        verdict = (id(layout), spec.causal, spec.window)
+        if request.evaluate is not None and verdict not in request.checked:
+            _hf_mask.check_mask(
+                request.evaluate, layout, spec, model_name=request.model, layer=layer
+            )
+            request.checked.add(verdict)
+        return layout
+    if attention_mask is None:
+        return _unhooked_layout(batch, seq, device, kwargs)
+    if attention_mask.dim() == 4:
+        if tuple(attention_mask.shape[-2:]) != (seq, seq) or attention_mask.shape[0] != batch:
+            raise IntegrationError(
+                f"{layer}: a 4-D attention mask of shape {tuple(attention_mask.shape)} for a "
+                f"batch of {batch} x {seq} tokens; pass the 2-D [batch, seq] padding mask"
+            )
+        if _packed_source(batch, seq, kwargs) is not None and "cu_seq_lens_q" in kwargs:
+            raise IntegrationError(
+                f"{layer}: a 4-D attention mask together with cu_seq_lens; pass one of them"
+            )
+        return _hf_mask.layout_of_4d(attention_mask, spec, model_name=layer, layer=layer)
+    raise IntegrationError(
+        f"{layer} received a {attention_mask.dim()}-D attention mask of shape "
+        f"{tuple(attention_mask.shape)} that transformers' mask functions did not build, so "
+        "its meaning is unknown; pass the 2-D padding mask to the model (which builds the "
+        "layer masks through the registered mask function) or a 4-D [batch, 1, seq, seq] mask"
     )
 
 
@@ -259,19 +400,6 @@ def _same_keys(cu_q: torch.Tensor, cu_k: object) -> torch.Tensor:
             "queries mean a KV cache or cross-attention; pass equal prefix sums"
         )
     return cu_q
-
-
-def _padding_of_4d(mask: torch.Tensor, causal: bool) -> torch.Tensor:
-    padding = _layout.padding_of_4d(mask, causal=causal)
-    if padding is None:
-        kind = "causal" if causal else "bidirectional"
-        raise IntegrationError(
-            f"the 4-D attention mask of shape {tuple(mask.shape)} is not a {kind} padding mask; "
-            "attn_backends takes masks that only hide padding (and the future, for causal "
-            "layers): pass the 2-D [batch, seq] padding mask, or use attn_implementation="
-            "'sdpa' for custom masks"
-        )
-    return padding
 
 
 def _token_rows(x: torch.Tensor, layout: BatchLayout) -> torch.Tensor:
@@ -306,13 +434,16 @@ def attention_forward(
     """
     _refuse_unsupported_call(module, query, key, value, dropout, kwargs)
     spec = _spec_for(module, query, key, scaling, is_causal, kwargs)
-    selection = _selection(spec, query.device, backend, module)
+    request = _hf_mask.request_of(attention_mask)
     batch, _, seq, head_dim = query.shape
-    layout = _batch_layout(attention_mask, batch, seq, query.device, spec, kwargs)
-    plan = layout.plans.get(spec)
-    if plan is None:
-        plan = selection.backend.prepare(layout.params)
-        layout.plans[spec] = plan
+    layout = _batch_layout(module, attention_mask, request, batch, seq, query.device, spec, kwargs)
+    selection = _selection(spec, query.device, backend, module, request)
+    plan_key = (id(selection.backend), spec)
+    found = layout.plans.get(plan_key)
+    if found is None or found[0] is not selection.backend:
+        found = (selection.backend, selection.backend.prepare(layout.params))
+        layout.plans[plan_key] = found
+    plan = found[1]
     q_rows = _token_rows(query, layout)
     out = selection.backend.forward(
         (q_rows, _token_rows(key, layout), _token_rows(value, layout)),
@@ -324,54 +455,3 @@ def attention_forward(
     full = out.new_zeros(batch, seq, heads, head_dim)
     full[layout.cells] = out.view(-1, heads, head_dim)
     return full, None
-
-
-class PackedBatch(TypedDict):
-    """Keyword arguments of one packed forward: ``model(**packed)``."""
-
-    input_ids: torch.Tensor
-    position_ids: torch.Tensor
-    cu_seq_lens_q: torch.Tensor
-    cu_seq_lens_k: torch.Tensor
-    max_length_q: int
-    max_length_k: int
-
-
-def pack_sequences(
-    sequences: Sequence[Sequence[int]],
-    *,
-    device: torch.device | str | None = None,
-    position_offset: int = 0,
-) -> PackedBatch:
-    """One packed model input: every sequence back to back in a single row, no padding.
-
-    Returns ``input_ids``/``position_ids`` ``[1, T]`` (positions restart at
-    ``position_offset`` per sequence: 0 for most models, ``pad_token_id + 1`` for RoBERTa-style
-    embeddings), ``cu_seq_lens_q``/``cu_seq_lens_k`` (int32 prefix sums) and
-    ``max_length_q``/``max_length_k``; pass them all as keyword arguments to the model.
-    """
-    if not sequences or any(len(s) == 0 for s in sequences):
-        raise IntegrationError("pack_sequences needs at least one sequence, none of them empty")
-    lengths = [len(s) for s in sequences]
-    ids = torch.tensor([t for s in sequences for t in s], dtype=torch.long, device=device)
-    positions = torch.cat([torch.arange(n, dtype=torch.long) for n in lengths]) + position_offset
-    cu = torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()], dtype=torch.int32)
-    cu = cu.to(device)  # one tensor for q and k: equal by construction
-    return PackedBatch(
-        input_ids=ids[None],
-        position_ids=positions[None].to(device),
-        cu_seq_lens_q=cu,
-        cu_seq_lens_k=cu,
-        max_length_q=max(lengths),
-        max_length_k=max(lengths),
-    )
-
-
-def unpack_hidden(hidden: torch.Tensor, cu_seq_lens: torch.Tensor) -> list[torch.Tensor]:
-    """The per-sequence ``[n_i, C]`` slices (views) of a packed output ``hidden [1, T, C]``."""
-    if hidden.dim() != 3 or hidden.shape[0] != 1:
-        raise IntegrationError(
-            f"unpack_hidden takes a packed [1, tokens, channels] output, got {tuple(hidden.shape)}"
-        )
-    bounds = [int(x) for x in cu_seq_lens.tolist()]
-    return [hidden[0, a:b] for a, b in itertools.pairwise(bounds)]

@@ -25,7 +25,7 @@ from .._protocol import CudaGraphPrefill
 from .._reasons import ReasonCode
 from .._reference import TOLERANCE, reference_attention, relative_error
 from .._registry import Registry, get_registry
-from .._selector import Selection, select
+from .._selector import Selection, SelectRequest, select, select_request
 from .._spec import AttentionSpec
 from .._untouched import unexpected_writes
 from .cases import (
@@ -163,14 +163,22 @@ def selected_or_skip(
 ) -> Selection:
     """`select` the backend for a generated case: skip when only the platform rules it out,
     fail when it refuses a spec its capabilities declare (a `supports()` regression)."""
+    request = SelectRequest(
+        spec,
+        backend=backend,
+        platform=platform or detect_platform(device),
+        cuda_graph=cuda_graph,
+    )
+    return selected_or_skip_request(request, case_id, registry)
+
+
+def selected_or_skip_request(
+    request: SelectRequest, case_id: str, registry: Registry | None = None
+) -> Selection:
+    """`selected_or_skip` for a whole `SelectRequest` (its ``backend`` names the backend)."""
+    backend = request.backend
     try:
-        return select(
-            spec,
-            backend=backend,
-            platform=platform or detect_platform(device),
-            registry=registry,
-            cuda_graph=cuda_graph,
-        )
+        return select_request(request, registry=registry)
     except NoBackendError as exc:
         reasons = [r for _, rs in exc.reasons for r in rs]
         text = "; ".join(str(r) for r in reasons)

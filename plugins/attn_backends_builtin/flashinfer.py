@@ -67,7 +67,6 @@ from attn_backends import (
     dtype_name,
     hookimpl,
     preprocess_mode,
-    register_rope_pass,
 )
 
 from ._flashinfer_common import (
@@ -89,7 +88,6 @@ from ._flashinfer_jit import kernel_module
 from ._flashinfer_rope import FLASHINFER_ROPE
 
 API_VERSION = "1.0"
-register_rope_pass(FLASHINFER_ROPE)  # flashinfer's in-place RoPE joins the separate passes
 WORKSPACE_BYTES = 128 << 20
 KERNEL = "flashinfer.BatchPrefillWithRaggedKVCacheWrapper"
 FUSED_ROPE_MAX_SEQLEN = 256
@@ -409,5 +407,7 @@ class FlashinferRopeBackend(FlashinferBackend):
 @hookimpl
 def attn_backends_register(host_api_version: str) -> PluginManifest:
     return PluginManifest(
-        api_version=API_VERSION, backends=[FlashinferBackend(), FlashinferRopeBackend()]
+        api_version=API_VERSION,
+        backends=[FlashinferBackend(), FlashinferRopeBackend()],
+        rope_passes=[FLASHINFER_ROPE],  # flashinfer's in-place RoPE joins the separate passes
     )

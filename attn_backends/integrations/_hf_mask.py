@@ -1,0 +1,354 @@
+"""What the model's own attention mask allows, checked against what attn_backends will compute.
+
+transformers builds a layer's mask from a ``mask_function(batch, head, q_idx, kv_idx)`` that can
+say more than padding and causality: a window, chunks, packed-sequence ids, a remapping of
+indices to positions, custom ``and_mask_function``/``or_mask_function`` overlays. Rather than
+recognising the kinds known today, the mask hook records the function it was handed (with the
+padding and the index ranges) and the attention function evaluates it, once per batch and
+per distinct (layout, causal flag, window), on the index grid of the batch with transformers'
+own ``sdpa_mask``, and compares it with the mask that the spec and the layout imply. A
+difference anywhere a valid query looks is refused with `MaskMismatchError`; a new kind of
+mask cannot slip past, it can only be refused.
+
+What attn_backends computes for a layout (``BatchLayout``):
+
+- rows of one sequence (padding anywhere, or none): the row's valid tokens, in order, form the
+  sequence; the causal rule and the window count *valid tokens*, not columns (so a masked
+  token between valid ones is not counted; transformers counts columns, hence a hole under a
+  window differs and is refused);
+- rows packed with several sequences: each ``(row, start, stop)`` is its own sequence. Only
+  the diagonal blocks are compared (the packing is the caller's intent: transformers'
+  bidirectional masks ignore it), plus, on causal layers, the column just before each
+  sequence: transformers marks restarting ``position_ids`` as separate sequences there, and
+  when it does not (a KV cache, positions that do not restart) the model means one sequence.
+
+The cost is what transformers' sdpa path pays for its own mask (rows x seq x seq booleans for
+a padded batch, the sum of squared lengths for a packed one), evaluated in tiles, once per
+forward and mask kind, not per layer.
+"""
+
+from __future__ import annotations
+
+import threading
+import weakref
+from collections import OrderedDict
+from collections.abc import Callable, Hashable, Iterator
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from .._errors import IntegrationError, MaskMismatchError
+from .._features import SlidingWindow
+from .._selector import Selection
+from .._spec import AttentionSpec
+from . import _layout
+from ._layout import BatchLayout
+
+__all__ = [
+    "MaskRequest",
+    "ModelMask",
+    "check_mask",
+    "layout_of_4d",
+    "record",
+    "request_of",
+]
+
+ModelMask = Callable[[int, int, int, int, int], torch.Tensor]
+"""``(rows, q_start, q_len, kv_start, kv_len)`` -> bool ``[rows, q_len, kv_len]``: what the
+model's mask allows on that index grid, for batch rows ``0 .. rows - 1``."""
+
+TILE_ELEMENTS = 1 << 22
+"""Mask cells evaluated at once; bounds the memory of a check on a long batch."""
+
+
+@dataclass(eq=False)
+class MaskRequest:
+    """One call of the mask hook: enough to evaluate the model's own mask, and what one forward
+    derives from it (layouts, checks passed, backend selections), dropped with the forward."""
+
+    model: str
+    batch: int
+    length: int
+    device: torch.device
+    padding: torch.Tensor | None
+    """``[batch, length]`` bool copy of the padding mask; None when every token is valid."""
+    evaluate: ModelMask | None
+    """The model's mask; None when the hook was called without a ``mask_function`` (not by
+    transformers): the padding alone is then the mask."""
+    layouts: dict[Hashable, tuple[object, BatchLayout]] = field(default_factory=dict)
+    """Per layout source: the source object (kept alive, so its id stays its own) and the
+    layout."""
+    checked: set[Hashable] = field(default_factory=set)
+    selections: dict[Hashable, Selection] = field(default_factory=dict)
+
+
+_requests: dict[int, tuple[weakref.ref[torch.Tensor], MaskRequest]] = {}
+_requests_lock = threading.Lock()
+
+
+def record(token: torch.Tensor, request: MaskRequest) -> torch.Tensor:
+    """Tie ``request`` to the tensor the hook returns; it lives as long as that tensor."""
+    key = id(token)
+
+    def forget(_: object, key: int = key) -> None:
+        with _requests_lock:
+            _requests.pop(key, None)
+
+    with _requests_lock:
+        _requests[key] = (weakref.ref(token, forget), request)
+    return token
+
+
+def request_of(mask: object) -> MaskRequest | None:
+    """The request behind a mask the hook returned, or None for any other object."""
+    if not isinstance(mask, torch.Tensor):
+        return None
+    entry = _requests.get(id(mask))
+    if entry is None or entry[0]() is not mask:
+        return None
+    return entry[1]
+
+
+def hook_mask(
+    mask_function: Callable[..., Any],
+    padding: torch.Tensor | None,
+    use_vmap: bool,
+    device: torch.device,
+) -> ModelMask:
+    """The model's mask, evaluated by transformers' ``sdpa_mask`` (the path its sdpa and eager
+    attention take) with every shortcut that skips the mask switched off."""
+    from transformers.masking_utils import sdpa_mask
+
+    def evaluate(rows: int, q_start: int, q_len: int, kv_start: int, kv_len: int) -> torch.Tensor:
+        mask = sdpa_mask(
+            batch_size=rows,
+            q_length=q_len,
+            kv_length=kv_len,
+            q_offset=q_start,
+            kv_offset=kv_start,
+            mask_function=mask_function,
+            attention_mask=padding,
+            allow_is_causal_skip=False,
+            allow_is_bidirectional_skip=False,
+            use_vmap=use_vmap,
+            device=device,
+        )
+        return torch.as_tensor(mask).to(torch.bool)[:, 0].expand(rows, q_len, kv_len)
+
+    return evaluate
+
+
+@dataclass(frozen=True)
+class Mismatch:
+    """The first cell where the model's mask and attn_backends' disagree (columns of the
+    batch's rows)."""
+
+    row: int
+    query: int
+    key: int
+    model_allows: bool
+
+
+def _rule(
+    qi: torch.Tensor, kj: torch.Tensor, causal: bool, window: SlidingWindow | None
+) -> torch.Tensor:
+    """Which keys a query sees, by their indices within one sequence."""
+    ok = torch.ones_like(qi - kj, dtype=torch.bool)
+    if causal:
+        ok &= kj <= qi
+    if window is not None:
+        ok &= (qi - kj <= window.left) & (kj - qi <= window.right)
+    return ok
+
+
+def _first(diff: torch.Tensor) -> tuple[int, ...]:
+    return tuple(int(x) for x in diff.nonzero()[0].tolist())
+
+
+def _check_rows(
+    model: ModelMask, layout: BatchLayout, causal: bool, window: SlidingWindow | None
+) -> Mismatch | None:
+    """Rows of one sequence each: every valid query row against every key column."""
+    batch, seq = layout.batch, layout.seq
+    device = layout.params.cu_seqlens_q.device
+    valid = (
+        layout.valid
+        if layout.valid is not None
+        else torch.ones(batch, seq, dtype=torch.bool, device=device)
+    )
+    index = valid.long().cumsum(1) - 1  # each valid token's index within its sequence
+    step = max(1, TILE_ELEMENTS // max(1, batch * seq))
+    for q0 in range(0, seq, step):
+        q1 = min(seq, q0 + step)
+        allowed = model(batch, q0, q1 - q0, 0, seq).to(device)
+        want = valid[:, None, :] & _rule(index[:, q0:q1, None], index[:, None, :], causal, window)
+        diff = (allowed != want) & valid[:, q0:q1, None]
+        if bool(diff.any()):
+            row, q, k = _first(diff)
+            return Mismatch(row, q0 + q, k, bool(allowed[row, q, k]))
+    return None
+
+
+def _segment_tiles(
+    model: ModelMask, layout: BatchLayout, causal: bool, window: SlidingWindow | None
+) -> Iterator[tuple[int, int, int, torch.Tensor, torch.Tensor]]:
+    """Per tile of each packed sequence: ``(row, first query column, first key column, what
+    the model allows, where it differs)``. The keys are the sequence's own, plus on causal
+    layers the key just before it (which the model must not see either)."""
+    device = layout.params.cu_seqlens_q.device
+    for row, start, stop in layout.segments:
+        n = stop - start
+        probe = 1 if causal and start > 0 else 0
+        keys = torch.arange(-probe, n, device=device)[None, :]
+        step = max(1, TILE_ELEMENTS // (n + probe))
+        for q0 in range(0, n, step):
+            q1 = min(n, q0 + step)
+            allowed = model(row + 1, start + q0, q1 - q0, start - probe, n + probe)[row].to(device)
+            queries = torch.arange(q0, q1, device=device)[:, None]
+            want = (keys >= 0) & _rule(queries, keys, causal, window)
+            yield row, start + q0, start - probe, allowed, allowed != want
+
+
+def _check_segments(
+    model: ModelMask, layout: BatchLayout, causal: bool, window: SlidingWindow | None
+) -> Mismatch | None:
+    """Packed rows: one host sync for the whole batch, a second pass only to locate a
+    difference."""
+    flags = [diff.any() for *_, diff in _segment_tiles(model, layout, causal, window)]
+    if not bool(torch.stack(flags).any()):
+        return None
+    for row, q_col, k_col, allowed, diff in _segment_tiles(model, layout, causal, window):
+        if bool(diff.any()):
+            q, k = _first(diff)
+            return Mismatch(row, q_col + q, k_col + k, bool(allowed[q, k]))
+    return None
+
+
+def check_mask(
+    model: ModelMask,
+    layout: BatchLayout,
+    spec: AttentionSpec,
+    *,
+    model_name: str,
+    layer: str,
+) -> None:
+    """Raise `MaskMismatchError` unless ``model``'s mask is what ``spec`` computes over
+    ``layout`` wherever a valid query looks."""
+    check = _check_segments if layout.segments else _check_rows
+    found = check(model, layout, spec.causal, spec.window)
+    if found is not None:
+        raise MaskMismatchError(_explain(found, layout, spec, model_name, layer))
+
+
+def _has_hole(layout: BatchLayout, row: int) -> bool:
+    if layout.valid is None:
+        return False
+    cols = layout.valid[row].nonzero().reshape(-1)
+    return bool(cols.numel() > 0 and int(cols[-1]) - int(cols[0]) + 1 != cols.numel())
+
+
+def _explain(
+    found: Mismatch, layout: BatchLayout, spec: AttentionSpec, model_name: str, layer: str
+) -> str:
+    sees = "lets" if found.model_allows else "does not let"
+    ours = "would" if not found.model_allows else "would not"
+    window = f", window {spec.window.describe()}" if spec.window is not None else ""
+    what = f"{'causal' if spec.causal else 'bidirectional'} attention{window}"
+    who = model_name if model_name == layer else f"{model_name} ({layer})"
+    head = (
+        f"{who}: its attention mask {sees} query column {found.query} of row "
+        f"{found.row} see key column {found.key}; attn_backends {ours}, computing {what} "
+        f"within each sequence of the batch"
+    )
+    segment_start = any(
+        row == found.row and start == found.key + 1 for row, start, _ in layout.segments
+    )
+    if segment_start and found.model_allows:
+        why = (
+            "the model's mask reads the packed row as one sequence: a KV cache "
+            "(use_cache=True), cu_seq_lens with position_ids that do not restart, or a model "
+            "that does not hand its position_ids to its mask. Call the model with "
+            "use_cache=False and position_ids that restart per sequence (pack_sequences "
+            "returns them), or pass a padded batch"
+        )
+    elif spec.window is not None and _has_hole(layout, found.row):
+        why = (
+            "the padding mask has a masked token between valid ones, and transformers measures "
+            "the sliding window over positions while attn_backends measures it over the valid "
+            "tokens. Pass each row's valid tokens contiguously (right or left padding)"
+        )
+    else:
+        why = (
+            "the model's mask carries a rule the spec does not express (a custom "
+            "and_mask_function/or_mask_function, block or sequence ids, a per-head mask or "
+            "another mask kind)"
+        )
+    return f"{head}. Here {why}, or load the model with attn_implementation='sdpa' or 'eager'."
+
+
+# --- 4-D masks: passed by the caller, returned as they are by transformers -----------------
+
+
+@dataclass(eq=False)
+class _Mask4D:
+    allowed: torch.Tensor
+    layout: BatchLayout
+    checked: set[Hashable] = field(default_factory=set)
+
+
+class _State4D(threading.local):
+    def __init__(self) -> None:
+        self.entries: OrderedDict[tuple[object, ...], _Mask4D] = OrderedDict()
+
+
+_state_4d = _State4D()
+_ENTRIES_4D = 4
+
+
+def _allowed_of_4d(mask: torch.Tensor, model_name: str) -> torch.Tensor:
+    """``[B, S, S]`` bool: what a ``[B, 1 or H, S, S]`` bool or additive mask allows."""
+    if mask.dim() != 4 or mask.shape[-1] != mask.shape[-2]:
+        raise IntegrationError(
+            f"{model_name}: a 4-D attention mask must be [batch, 1 or heads, seq, seq] over "
+            f"the same queries and keys, got {tuple(mask.shape)}; pass the 2-D padding mask"
+        )
+    allowed = mask if mask.dtype == torch.bool else mask == 0
+    if not bool((allowed == allowed[:, :1]).all()):
+        raise MaskMismatchError(
+            f"{model_name}: the 4-D attention mask differs between heads; attn_backends applies "
+            "one mask to every head. Use attn_implementation='sdpa' for per-head masks"
+        )
+    return allowed[:, 0]
+
+
+def layout_of_4d(
+    mask: torch.Tensor, spec: AttentionSpec, *, model_name: str, layer: str
+) -> BatchLayout:
+    """The layout of a 4-D mask, derived from its content (a token is valid when it sees
+    itself) and checked against ``spec``. Cached by content, never by identity or version:
+    a mask rewritten in place (inference tensors keep no version counter) is a new mask."""
+    allowed = _allowed_of_4d(mask, model_name)
+    key = (tuple(allowed.shape), allowed.device)
+    entry = _state_4d.entries.get(key)
+    if entry is None or not torch.equal(entry.allowed, allowed):
+        valid = allowed.diagonal(dim1=-2, dim2=-1)
+        if not bool(valid.any()):
+            raise IntegrationError(
+                f"{model_name}: the 4-D attention mask lets no token see itself; pass a real batch"
+            )
+        entry = _Mask4D(allowed.clone(), _layout.from_padding_mask(valid))
+        _state_4d.entries[key] = entry
+        while len(_state_4d.entries) > _ENTRIES_4D:
+            _state_4d.entries.popitem(last=False)
+    _state_4d.entries.move_to_end(key)
+    verdict = (spec.causal, spec.window)
+    if verdict not in entry.checked:
+        frozen = entry.allowed
+
+        def model(rows: int, q0: int, q_len: int, k0: int, k_len: int) -> torch.Tensor:
+            return frozen[:rows, q0 : q0 + q_len, k0 : k0 + k_len]
+
+        check_mask(model, entry.layout, spec, model_name=model_name, layer=layer)
+        entry.checked.add(verdict)
+    return entry.layout
