@@ -25,7 +25,7 @@ from typing import Any
 import torch
 
 from .._errors import IntegrationError
-from .transformers import unpack_hidden
+from ._served import check_served
 
 __all__ = ["BackbonePacking"]
 
@@ -136,7 +136,7 @@ class BackbonePacking:
                 "return a ModelOutput (call them with return_dict=True)"
             )
         first = next(iter(output.keys()))  # last_hidden_state, a ModelOutput's first field
-        unpack_hidden(output[first], packed.cu_seq_lens)  # refuses boundaries nothing read
+        check_served(output[first], packed.cu_seq_lens)  # refuses boundaries nothing read
         output[first] = _repad(output[first], packed.valid)
         if output.get("hidden_states") is not None:
             output["hidden_states"] = tuple(_repad(h, packed.valid) for h in output.hidden_states)

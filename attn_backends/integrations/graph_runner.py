@@ -50,7 +50,8 @@ from .._platform import Platform
 from .._selector import select
 from .._spec import AttentionSpec
 from . import _registered
-from .transformers import _refuse_unsupported_call, _spec_for, unpack_hidden
+from ._served import check_served
+from .transformers import _refuse_unsupported_call, _spec_for
 
 __all__ = ["GraphRunner", "RunnerStats"]
 
@@ -295,7 +296,7 @@ class GraphRunner:
             max_length_q=longest,
             max_length_k=longest,
         )
-        unpack_hidden(hidden, cu)  # refuses boundaries no attention layer read
+        check_served(hidden, cu)  # refuses boundaries no attention layer read
         return hidden
 
     def _state(self, bucket: GraphBucket) -> _BucketState:

@@ -32,8 +32,9 @@ import torch
 from .._errors import IntegrationError
 from . import _st_flatten
 from ._registered import require_ours
+from ._served import check_served
 from ._st_backbone import BackbonePacking
-from .transformers import DEFAULT_NAME, register, unpack_hidden
+from .transformers import DEFAULT_NAME, register
 
 if TYPE_CHECKING:
     from sentence_transformers import CrossEncoder, SentenceTransformer
@@ -133,4 +134,4 @@ def _check_flattened(module: torch.nn.Module, args: Any, features: Any) -> None:
     """After a flattened forward: refuse boundaries no attention layer read."""
     if isinstance(features, dict) and "cu_seq_lens_q" in features:
         # module_output_name: the key sentence-transformers writes the flat output under.
-        unpack_hidden(features[module.module_output_name], features["cu_seq_lens_q"])
+        check_served(features[module.module_output_name], features["cu_seq_lens_q"])
