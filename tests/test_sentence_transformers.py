@@ -218,7 +218,7 @@ class Call:
 @contextlib.contextmanager
 def attention_calls(name: str = abt.DEFAULT_NAME) -> Iterator[list[Call]]:
     """Record the layout of every call of the attention function registered as ``name``."""
-    inner = AttentionInterface._global_mapping[name]
+    inner: Any = AttentionInterface._global_mapping[name]
     calls: list[Call] = []
 
     def spy(module, query, key, value, attention_mask, *args, **kwargs):
@@ -302,7 +302,8 @@ def test_a_prompt_left_out_of_mean_pooling_stays_left_out(st_dirs):
     texts = _texts(seed=3)
     ref, ours = _reference(path), abst.load(str(path))
     for model in (ref, ours):
-        model[1].include_prompt = False
+        pooling: Any = model[1]
+        pooling.include_prompt = False
     expected = ref.encode_query(texts, batch_size=5, convert_to_tensor=True)
     got = ours.encode_query(texts, batch_size=5, convert_to_tensor=True)
     assert _err(got, expected) < TOL
@@ -316,8 +317,9 @@ def test_roberta_positions_are_offset_and_the_test_would_see_it_otherwise(st_dir
     texts = _texts(seed=5)
     expected = _reference(path).encode(texts, convert_to_tensor=True)
     ours = abst.load(str(path))
-    assert ours[0]._flatten_position_offset == 2
-    ours[0]._flatten_position_offset = 0
+    transformer: Any = ours[0]
+    assert transformer._flatten_position_offset == 2
+    transformer._flatten_position_offset = 0
     assert _err(ours.encode(texts, convert_to_tensor=True), expected) > 100 * TOL
 
 
@@ -390,7 +392,7 @@ def test_cross_encoder_token_types_reach_the_packed_backbone(ce_dirs):
     pairs = _pairs(seed=8)
     ours = abst.load_cross_encoder(path)
     expected = ours.predict(pairs, convert_to_tensor=True, activation_fn=None)
-    bert = ours[0].model.base_model
+    bert: Any = ours[0].model.base_model  # type: ignore[union-attr]
     zero = bert.embeddings.token_type_embeddings.weight
     with torch.no_grad():
         zero[1:] = zero[0]

@@ -68,7 +68,7 @@ def enable_flattening(transformer: Any) -> None:
     from transformers import DataCollatorWithFlattening
 
     # As sentence-transformers configures it for flash attention (Transformer._can_flatten_inputs).
-    transformer.data_collator = DataCollatorWithFlattening(
+    transformer.data_collator = DataCollatorWithFlattening(  # type: ignore[no-untyped-call]
         return_seq_idx=True, return_flash_attn_kwargs=True, return_position_ids=True
     )
     if transformer.model_forward_params is not None:

@@ -43,10 +43,11 @@ from typing import Any, Literal
 
 import torch
 
-from .._errors import IntegrationError, ParamsError
+from .._errors import GraphModeError, IntegrationError, ParamsError
 from .._graph import GraphBucket, GraphPlan, slot_lengths
 from .._params import FMHAParams
 from .._platform import Platform
+from .._protocol import CudaGraphPrefill
 from .._selector import select
 from .._spec import AttentionSpec
 from . import _registered
@@ -390,6 +391,11 @@ class GraphRunner:
         ).backend
         qkv: torch.Tensor | None = None
         if graph:
+            if not isinstance(backend, CudaGraphPrefill):
+                raise GraphModeError(
+                    f"{backend.name} was selected with cuda_graph=True but has no graph mode",
+                    [(backend.name, [])],
+                )
             plan: object = backend.prepare_graph(state.bucket, device=self.device)
             assert isinstance(plan, GraphPlan)
             plan.update(params)

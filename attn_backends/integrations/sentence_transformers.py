@@ -86,7 +86,8 @@ def load_cross_encoder(
     packed (`packed`)."""
     from sentence_transformers import CrossEncoder
 
-    return packed(CrossEncoder(model_name_or_path, **_with_attention(kwargs, backend)))
+    model: CrossEncoder = CrossEncoder(model_name_or_path, **_with_attention(kwargs, backend))
+    return packed(model)
 
 
 def packed(model: Model) -> Model:

@@ -5,6 +5,7 @@ eagerly through the integration on the packed batch."""
 from __future__ import annotations
 
 import itertools
+from typing import Any
 
 import pytest
 import torch
@@ -21,7 +22,7 @@ SMALL = ab.GraphBucket(max_tokens=128, max_batch=8)
 LARGE = ab.GraphBucket(max_tokens=512, max_batch=32)
 
 
-def _model(kind: str) -> torch.nn.Module:
+def _model(kind: str) -> Any:
     t = transformers
     common = {
         "vocab_size": VOCAB,
