@@ -43,7 +43,16 @@ from ._errors import (
     SpecError,
     UnboundBackendError,
 )
-from ._features import AlibiSpec, SlidingWindow, bloom_alibi_slopes
+from ._feature_table import (
+    AlibiSupport,
+    FeatureSupport,
+    Fp8Support,
+    HeadwiseSupport,
+    MlaSupport,
+    SoftcapSupport,
+    WindowSupport,
+)
+from ._features import AlibiSpec, HeadwiseConfig, SlidingWindow, bloom_alibi_slopes
 from ._flags import derive_need_rope_kv_cache
 from ._graph import PAD_CHUNK, GraphBucket, GraphPlan
 from ._hooks import ENTRY_POINT_GROUP, PLUGIN_API_VERSION, PluginManifest, hookimpl, hookspec
@@ -77,7 +86,7 @@ from ._selector import (
     select,
     select_request,
 )
-from ._spec import AttentionSpec, HeadwiseConfig, RopeSpec
+from ._spec import AttentionSpec, RopeSpec
 from ._warmup import WarmupReport, WarmupStep, warmup
 
 __version__ = "0.1.0"
@@ -94,6 +103,7 @@ __all__ = [
     "STRICT_ENV",
     "TOLERANCE",
     "AlibiSpec",
+    "AlibiSupport",
     "AnyPlan",
     "AttentionBackendError",
     "AttentionSpec",
@@ -105,16 +115,20 @@ __all__ = [
     "CudaGraphPrefill",
     "FMHAParams",
     "FeatureNotSupportedError",
+    "FeatureSupport",
     "Fp8Scales",
+    "Fp8Support",
     "GraphBucket",
     "GraphModeError",
     "GraphPlan",
     "HeadwiseConfig",
+    "HeadwiseSupport",
     "InputLayout",
     "IntegrationError",
     "InvalidArgumentError",
     "KVCacheFlagError",
     "KernelModule",
+    "MlaSupport",
     "NativeBuildError",
     "NoBackendError",
     "NoCachePrefill",
@@ -143,10 +157,12 @@ __all__ = [
     "SelectRequest",
     "Selection",
     "SlidingWindow",
+    "SoftcapSupport",
     "SpecError",
     "UnboundBackendError",
     "WarmupReport",
     "WarmupStep",
+    "WindowSupport",
     "bloom_alibi_slopes",
     "check_capabilities",
     "check_consistent_across_ranks",

@@ -2,12 +2,13 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
+from typing import Any, TypeVar
 
 import torch
 
 from ._dtypes import dtype_name
-from ._features import bloom_alibi_slopes
+from ._feature_table import FEATURES, FP8, Feature, FeatureSupport
 from ._platform import Platform, PlatformKind
 from ._reasons import Reason, ReasonCode
 from ._spec import AttentionSpec
@@ -93,27 +94,32 @@ class PriorityRule:
         return f"{text} ({self.note})" if self.note else text
 
 
+_ANY = {"none": "any"}
+"""Field metadata: ``None`` means any value, and `Capabilities.to_dict` says "any"."""
+
+
 @dataclass(frozen=True)
 class Capabilities:
     """What a backend can do, declared as data so that checks, docs and tests derive from it."""
 
     platforms: frozenset[PlatformKind]
     dtypes: frozenset[torch.dtype]
-    head_dims: frozenset[int] | None = None
+    head_dims: frozenset[int] | None = field(default=None, metadata=_ANY)
     """Exact head dims served; ``None`` means any head dim."""
     min_sm: int | None = None
     """Lowest CUDA compute capability (e.g. 80), for CUDA platforms."""
     max_sm: int | None = None
-    rocm_archs: frozenset[str] | None = None
+    rocm_archs: frozenset[str] | None = field(default=None, metadata=_ANY)
     """gfx architectures served on ROCm; ``None`` means any."""
     gqa: bool = True
     causal: bool = True
     bidirectional: bool = True
     needs_contiguous: bool = False
     """The kernel reads Q, K and V as dense tensors; the contract copies the views for it."""
-    mla: bool = False
-    headwise: bool = False
-    """Implements `HeadwiseConfig` masks; other backends refuse a headwise spec."""
+    features: tuple[FeatureSupport, ...] = ()
+    """The features served beyond the plain mask, one `FeatureSupport` value each with that
+    feature's own limits: ``(WindowSupport(right=False), SoftcapSupport(), AlibiSupport(
+    bidirectional=False))``. A spec using a feature not listed is refused (`_feature_table`)."""
     fused_rope: bool = False
     """Applies rotate-half RoPE over the whole head inside the kernel (no separate pass)."""
     fused_rope_max_seqlen: int | None = None
@@ -124,27 +130,6 @@ class Capabilities:
     """``forward`` can be captured in a CUDA graph once per bucket and re-planned in place for
     every batch that fits it (`PrefillBackend.prepare_graph`); backends without it are refused
     for graph mode with a ``cuda_graph`` reason."""
-    fp8_preprocess: bool = False
-    """With FP8 input and RoPE or logn: the backend applies them before quantising (or on
-    dequantised values). Without it such a spec is refused: rotating stored FP8 values in place
-    and writing them back as FP8 loses the scales' range (NaN in e4m3fnuz, saturation in
-    e4m3fn)."""
-    sliding_window: bool = False
-    """Implements `SlidingWindow` masks (``spec.window``); see a backend's own reasons for the
-    windows it still refuses (e.g. left-only)."""
-    window_right: bool = True
-    """With ``sliding_window``: also windows reaching keys after the query (``right > 0``,
-    bidirectional local attention); ``False``: left-only windows."""
-    logit_softcap: bool = False
-    """Implements ``spec.logit_softcap`` (``cap * tanh(scores / cap)``)."""
-    alibi: bool = False
-    """Implements ``spec.alibi`` biases."""
-    alibi_bidirectional: bool = True
-    """With ``alibi``: also the bidirectional bias ``-slope * |i - j|``; ``False``: causal only."""
-    alibi_custom_slopes: bool = True
-    """With ``alibi``: any slopes; ``False``: only BLOOM's (the kernel computes its own)."""
-    alibi_with_softcap: bool = True
-    """With ``alibi`` and ``logit_softcap``: both on one spec."""
     requires: tuple[str, ...] = ()
     """Optional libraries (import names) the kernel needs."""
     priority: tuple[PriorityRule, ...] = field(default=())
@@ -161,6 +146,19 @@ class Capabilities:
     def fp8(self) -> bool:
         return any(dtype.is_floating_point and dtype.itemsize == 1 for dtype in self.dtypes)
 
+    def support(self, feature: Feature[S]) -> S | None:
+        """The declared support of ``feature`` (its limits), or ``None`` when not declared."""
+        kind = feature.support
+        if kind is None:
+            return None
+        return next((s for s in self.features if isinstance(s, kind)), None)
+
+    @property
+    def fp8_preprocess(self) -> bool:
+        """RoPE/logn on FP8 input is applied before quantising (`Fp8Support.preprocess`)."""
+        declared = self.support(FP8)
+        return declared is not None and declared.preprocess
+
     def fuses_rope(self, spec: AttentionSpec, max_seqlen: int) -> bool:
         """Whether a batch whose longest sequence has ``max_seqlen`` tokens runs fused RoPE."""
         if not (self.fused_rope and kernel_rope_fusable(spec)):
@@ -173,34 +171,32 @@ class Capabilities:
         return next((rule for rule in self.priority if rule.matches(spec, platform)), None)
 
     def to_dict(self) -> dict[str, object]:
-        return {
-            "platforms": sorted(self.platforms),
-            "dtypes": sorted(dtype_name(d) for d in self.dtypes),
-            "head_dims": sorted(self.head_dims) if self.head_dims is not None else "any",
-            "min_sm": self.min_sm,
-            "max_sm": self.max_sm,
-            "rocm_archs": sorted(self.rocm_archs) if self.rocm_archs is not None else "any",
-            "gqa": self.gqa,
-            "causal": self.causal,
-            "bidirectional": self.bidirectional,
-            "needs_contiguous": self.needs_contiguous,
-            "mla": self.mla,
-            "headwise": self.headwise,
-            "fused_rope": self.fused_rope,
-            "fused_rope_max_seqlen": self.fused_rope_max_seqlen,
-            "cuda_graph": self.cuda_graph,
-            "fp8_preprocess": self.fp8_preprocess,
-            "fp8": self.fp8,
-            "sliding_window": self.sliding_window,
-            "logit_softcap": self.logit_softcap,
-            "window_right": self.window_right,
-            "alibi": self.alibi,
-            "alibi_bidirectional": self.alibi_bidirectional,
-            "alibi_custom_slopes": self.alibi_custom_slopes,
-            "alibi_with_softcap": self.alibi_with_softcap,
-            "requires": list(self.requires),
-            "priority": [rule.describe() + f" -> {rule.score}" for rule in self.priority],
+        """Every field (derived from the dataclass: a new field is listed without an edit
+        here), each feature under its name with its limits, and ``fp8``."""
+        out = {
+            f.name: _jsonable(value)
+            if (value := getattr(self, f.name)) is not None
+            else f.metadata.get("none")
+            for f in fields(self)
         }
+        out["features"] = {s.feature: s.to_dict() for s in self.features}
+        out["fp8"] = self.fp8
+        return out
+
+
+S = TypeVar("S", bound=FeatureSupport)
+
+
+def _jsonable(value: object) -> Any:
+    """A declared value as JSON: sets sorted (dtypes by name), ``None`` for "any" sets as
+    ``"any"``, priority rules as their description."""
+    if isinstance(value, frozenset):
+        return sorted(dtype_name(v) if isinstance(v, torch.dtype) else v for v in value)
+    if isinstance(value, PriorityRule):
+        return f"{value.describe()} -> {value.score}"
+    if isinstance(value, tuple):
+        return [_jsonable(v) for v in value]
+    return value
 
 
 def check_platform(caps: Capabilities, platform: Platform) -> list[Reason]:
@@ -274,23 +270,6 @@ def check_capabilities(caps: Capabilities, spec: AttentionSpec, platform: Platfo
                 code, "input dtype not served", "dtype", dtype_name(spec.dtype), _names(caps.dtypes)
             )
         )
-    if spec.is_fp8 and (spec.rope is not None or spec.use_logn_attn) and not caps.fp8_preprocess:
-        applied = " and ".join(
-            name
-            for name, on in (("RoPE", spec.rope is not None), ("logn", spec.use_logn_attn))
-            if on
-        )
-        reasons.append(
-            Reason(
-                ReasonCode.FP8,
-                f"{applied} on FP8 input would rotate the stored FP8 values in place and write "
-                "them back as FP8; apply them before quantising, or pick a backend that declares "
-                "fp8_preprocess",
-                "dtype",
-                f"{dtype_name(spec.dtype)} with {applied}",
-                "FP8 without RoPE/logn, or a 16-bit dtype",
-            )
-        )
     if caps.head_dims is not None and spec.head_dim not in caps.head_dims:
         reasons.append(
             Reason(
@@ -325,118 +304,6 @@ def check_capabilities(caps: Capabilities, spec: AttentionSpec, platform: Platfo
                 "True",
             )
         )
-    if spec.use_mla and not caps.mla:
-        reasons.append(
-            Reason(ReasonCode.MLA, "MLA attention not served", "use_mla", "True", "False")
-        )
-    if spec.headwise is not None and not caps.headwise:
-        reasons.append(
-            Reason(
-                ReasonCode.HEADWISE,
-                "per-head (headwise) masks not implemented",
-                "headwise",
-                "HeadwiseConfig",
-                "None",
-            )
-        )
-    reasons += _feature_reasons(caps, spec)
-    if spec.headwise is None and caps.headwise:
-        reasons.append(
-            Reason(
-                ReasonCode.HEADWISE,
-                "needs a HeadwiseConfig on the spec",
-                "headwise",
-                "None",
-                "HeadwiseConfig",
-            )
-        )
-    return reasons
-
-
-def _feature_reasons(caps: Capabilities, spec: AttentionSpec) -> list[Reason]:
-    """Window, soft-cap and ALiBi asked for by the spec and not declared by the backend."""
-    reasons: list[Reason] = []
-    if spec.window is not None and not caps.sliding_window:
-        reasons.append(
-            Reason(
-                ReasonCode.SLIDING_WINDOW,
-                "sliding-window masks not implemented; needs a backend declaring sliding_window",
-                "window",
-                spec.window.describe(),
-                "None",
-            )
-        )
-    if spec.logit_softcap is not None and not caps.logit_softcap:
-        reasons.append(
-            Reason(
-                ReasonCode.SOFTCAP,
-                "logit soft-capping not implemented; needs a backend declaring logit_softcap",
-                "logit_softcap",
-                str(spec.logit_softcap),
-                "None",
-            )
-        )
-    elif spec.window is not None and spec.window.right and not caps.window_right:
-        reasons.append(
-            Reason(
-                ReasonCode.SLIDING_WINDOW,
-                "only left-only windows (keys up to the query) are implemented",
-                "window",
-                spec.window.describe(),
-                "right=0",
-            )
-        )
-    if spec.alibi is not None:
-        reasons += _alibi_reasons(caps, spec)
-    return reasons
-
-
-def _alibi_reasons(caps: Capabilities, spec: AttentionSpec) -> list[Reason]:
-    assert spec.alibi is not None
-    if not caps.alibi:
-        return [
-            Reason(
-                ReasonCode.ALIBI,
-                "ALiBi biases not implemented; needs a backend declaring alibi",
-                "alibi",
-                "AlibiSpec",
-                "None",
-            )
-        ]
-    reasons: list[Reason] = []
-    if not spec.causal and not caps.alibi_bidirectional:
-        reasons.append(
-            Reason(
-                ReasonCode.ALIBI,
-                "only the causal ALiBi bias slope * (j - i) is implemented",
-                "causal",
-                "False with alibi",
-                "True",
-            )
-        )
-    slopes = spec.alibi.slopes
-    if (
-        slopes is not None
-        and not caps.alibi_custom_slopes
-        and slopes != bloom_alibi_slopes(spec.num_heads)
-    ):
-        reasons.append(
-            Reason(
-                ReasonCode.ALIBI,
-                "the kernel computes BLOOM's ALiBi slopes itself; other slopes are not served",
-                "alibi.slopes",
-                "custom slopes",
-                "AlibiSpec() (BLOOM's slopes)",
-            )
-        )
-    if spec.logit_softcap is not None and not caps.alibi_with_softcap:
-        reasons.append(
-            Reason(
-                ReasonCode.ALIBI,
-                "ALiBi and logit soft-capping together are not served",
-                "alibi",
-                "AlibiSpec with logit_softcap",
-                "one of them",
-            )
-        )
+    for feature in FEATURES:
+        reasons += feature.reasons(caps.support(feature), spec)
     return reasons

@@ -12,6 +12,7 @@ from typing import cast
 import torch
 
 from ._contract import Fp8Scales
+from ._feature_table import FEATURES
 from ._params import FMHAParams
 from ._spec import AttentionSpec
 
@@ -109,46 +110,38 @@ def _rotate(
     return torch.cat((rotated, x[..., r:]), dim=-1)
 
 
+def _positions(length: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    """int64 query positions ``[L, 1]`` and key positions ``[1, L]`` of one sequence."""
+    pos = torch.arange(length, device=device)
+    return pos[:, None], pos[None, :]
+
+
 def _mask(spec: AttentionSpec, length: int, heads: range, device: torch.device) -> torch.Tensor:
-    """Boolean ``[heads, L, L]`` of visible keys for one sequence."""
-    i = torch.arange(length, device=device)[:, None]
-    j = torch.arange(length, device=device)[None, :]
+    """Boolean ``[heads, L, L]`` of visible keys for one sequence: the causal rule, then each
+    feature's own rule (`_feature_table`: the reference pieces written there, not the
+    plugins' masks)."""
+    i, j = _positions(length, device)
     full = (j <= i) if spec.causal else torch.ones(length, length, dtype=torch.bool, device=device)
-    if spec.window is not None:
-        full = full & (j >= i - spec.window.left) & (j <= i + spec.window.right)
-    masks = full.expand(len(heads), length, length).clone()
-    hw = spec.headwise
-    if hw is not None and not hw.is_full_for(length):
-        window = full & ((j < hw.sink_token_num) | (i - j <= hw.swa_token_num))
-        for n, h in enumerate(heads):
-            if h not in hw.retrieval_heads:
-                masks[n] = window
+    masks = full.expand(len(heads), length, length)
+    for feature in FEATURES:
+        if feature.used(spec):
+            visible = feature.reference_visible(spec, i, j, heads)
+            if visible is not None:
+                masks = masks & visible
     return masks
-
-
-def _alibi_bias(
-    spec: AttentionSpec, length: int, heads: range, device: torch.device
-) -> torch.Tensor:
-    """``[heads, L, L]`` ALiBi bias: ``slope * (j - i)`` causal, ``-slope * |i - j|`` not."""
-    assert spec.alibi is not None
-    slopes = spec.alibi.slopes_for(spec.num_heads)
-    slope = torch.tensor([slopes[h] for h in heads], dtype=torch.float64, device=device)
-    i = torch.arange(length, device=device, dtype=torch.float64)[:, None]
-    j = torch.arange(length, device=device, dtype=torch.float64)[None, :]
-    distance = (j - i) if spec.causal else -(j - i).abs()
-    return slope[:, None, None] * distance
 
 
 def _scores(
     spec: AttentionSpec, q: torch.Tensor, k: torch.Tensor, heads: range, device: torch.device
 ) -> torch.Tensor:
-    """Masked ``[heads, L, L]`` scores: scale, soft-cap, ALiBi bias, then the mask."""
+    """Masked ``[heads, L, L]`` scores: scale, each feature in the table's order (soft-cap,
+    then ALiBi bias), then the mask."""
     length = q.shape[1]
+    i, j = _positions(length, device)
     scores = (q @ k.transpose(1, 2)) * spec.scale
-    if spec.logit_softcap is not None:
-        scores = spec.logit_softcap * torch.tanh(scores / spec.logit_softcap)
-    if spec.alibi is not None:
-        scores = scores + _alibi_bias(spec, length, heads, device)
+    for feature in FEATURES:
+        if feature.used(spec):
+            scores = feature.reference_score(spec, scores, i, j, heads)
     return scores.masked_fill(~_mask(spec, length, heads, device), float("-inf"))
 
 

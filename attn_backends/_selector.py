@@ -16,6 +16,7 @@ from ._canary import CANARY_OFF, CanaryResult, run_canary
 from ._capabilities import Capabilities
 from ._dtypes import dtype_name
 from ._errors import InvalidArgumentError, NoBackendError, PlatformError, SpecError
+from ._feature_table import FEATURES
 from ._fingerprint import canonical_json
 from ._flags import derive_need_rope_kv_cache
 from ._isolation import refuse_reentry
@@ -171,19 +172,13 @@ def _spec_line(spec: AttentionSpec) -> str:
     if spec.rope is not None:
         style = "interleaved" if spec.rope.interleaved else "rotate-half"
         rope = f"theta={spec.rope.theta:g} {style} rotary_dim={spec.rotary_dim}"
-        if spec.rope.scaling is not None and not spec.rope.is_plain:
-            rope += f" scaling={spec.rope.scaling.rope_type}"
-    window = spec.window
+    features = [f.explain(spec) for f in FEATURES if f.used(spec)]
     return (
         f"heads {spec.num_heads}/{spec.num_kv_heads} x {spec.head_dim}, "
         f"{dtype_name(spec.dtype)}, "
         f"{'causal' if spec.causal else 'bidirectional'}, rope {rope}, "
         f"logn {spec.logn_base if spec.use_logn_attn else 'off'}"
-        + (", MLA" if spec.use_mla else "")
-        + (", headwise" if spec.headwise is not None else "")
-        + (f", window {window.left}/{window.right}" if window is not None else "")
-        + (f", softcap {spec.logit_softcap:g}" if spec.logit_softcap is not None else "")
-        + (", alibi" if spec.alibi is not None else "")
+        + "".join(f", {text}" for text in features if text is not None)
     )
 
 

@@ -2,14 +2,14 @@
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass, field
 
 import torch
 
 from ._dtypes import MODEL_DTYPES, dtype_name, is_fp8
 from ._errors import SpecError
-from ._features import AlibiSpec, SlidingWindow
+from ._feature_table import FEATURES
+from ._features import AlibiSpec, HeadwiseConfig, SlidingWindow
 from ._numbers import finite_float, shown
 from ._rope_scaling import RopeScaling
 
@@ -81,55 +81,6 @@ class RopeSpec:
         if self.scaling is not None:  # absent when unset: plain specs keep their fingerprints
             out["scaling"] = self.scaling.to_dict()
         return out
-
-
-@dataclass(frozen=True)
-class HeadwiseConfig:
-    """Per-head attention pattern for long causal sequences (rtp-llm's headwise prefill).
-
-    Retrieval heads keep full causal attention. Every other head lets the query at position
-    ``p`` see key ``j`` only when ``j <= p`` and (``j < sink_token_num`` or
-    ``p - j <= swa_token_num``): the sinks plus a window of ``swa_token_num + 1`` keys ending at
-    the query. A sequence with fewer than ``seqlen_threshold`` tokens (or fewer than
-    ``sink_token_num``) uses full attention on every head.
-    """
-
-    retrieval_heads: frozenset[int]
-    """Query-head indices (0-based) that keep full attention."""
-    sink_token_num: int = 4
-    swa_token_num: int = 8192
-    seqlen_threshold: int = 16384
-
-    def __post_init__(self) -> None:
-        try:
-            heads = frozenset(self.retrieval_heads)
-        except TypeError:
-            raise SpecError(
-                "HeadwiseConfig.retrieval_heads must be a set of head indices, got "
-                f"{self.retrieval_heads!r}"
-            ) from None
-        object.__setattr__(self, "retrieval_heads", heads)
-        if any(isinstance(h, bool) or not isinstance(h, int) or h < 0 for h in heads):
-            raise SpecError("HeadwiseConfig.retrieval_heads must be non-negative head indices")
-        for name, value in (
-            ("sink_token_num", self.sink_token_num),
-            ("swa_token_num", self.swa_token_num),
-            ("seqlen_threshold", self.seqlen_threshold),
-        ):
-            if isinstance(value, bool) or not isinstance(value, int) or value < 0:
-                raise SpecError(f"HeadwiseConfig.{name} must be an int >= 0, got {value!r}")
-
-    def is_full_for(self, seq_len: int) -> bool:
-        """Whether a sequence of this length runs full attention on every head."""
-        return seq_len < self.seqlen_threshold or seq_len < self.sink_token_num
-
-    def to_dict(self) -> dict[str, object]:
-        return {
-            "retrieval_heads": sorted(self.retrieval_heads),
-            "sink_token_num": self.sink_token_num,
-            "swa_token_num": self.swa_token_num,
-            "seqlen_threshold": self.seqlen_threshold,
-        }
 
 
 def _flag(name: str, value: object) -> None:
@@ -231,55 +182,15 @@ class AttentionSpec:
                     f"the input dtype), or None for 1/sqrt(head_dim); got "
                     f"{shown(self.softmax_scale)}"
                 )
-        if self.headwise is not None:
-            if not isinstance(self.headwise, HeadwiseConfig):
-                raise SpecError("AttentionSpec.headwise must be a HeadwiseConfig or None")
-            if not self.causal:
-                raise SpecError("headwise masks are causal; set causal=True or drop headwise")
-            bad = sorted(h for h in self.headwise.retrieval_heads if h >= self.num_heads)
-            if bad:
-                raise SpecError(
-                    f"headwise retrieval heads {bad} are out of range for {self.num_heads} heads"
-                )
         self._check_features()
 
     def _check_features(self) -> None:
-        """Window, soft-cap and ALiBi against the rest of the layer."""
-        if self.window is not None:
-            if not isinstance(self.window, SlidingWindow):
-                raise SpecError(
-                    "AttentionSpec.window must be a SlidingWindow or None, e.g. "
-                    f"SlidingWindow.causal(4096); got {self.window!r}"
-                )
-            if self.causal and self.window.right:
-                raise SpecError(
-                    f"AttentionSpec.window has right={self.window.right} on a causal spec, "
-                    "whose queries see no later key: set right=0 (SlidingWindow.causal(W)), or "
-                    "causal=False for a bidirectional window"
-                )
-        cap = self.logit_softcap
-        if cap is not None and not (
-            isinstance(cap, (int, float))
-            and not isinstance(cap, bool)
-            and math.isfinite(cap)
-            and cap > 0
-        ):
-            raise SpecError(
-                "AttentionSpec.logit_softcap must be a positive finite float (Gemma 2: 50.0) "
-                f"or None, got {cap!r}"
-            )
-        if self.alibi is not None:
-            if not isinstance(self.alibi, AlibiSpec):
-                raise SpecError(
-                    "AttentionSpec.alibi must be an AlibiSpec or None, e.g. AlibiSpec() for "
-                    f"BLOOM's slopes; got {self.alibi!r}"
-                )
-            slopes = self.alibi.slopes
-            if slopes is not None and len(slopes) != self.num_heads:
-                raise SpecError(
-                    f"AttentionSpec.alibi has {len(slopes)} slopes for {self.num_heads} query "
-                    "heads: give one slope per query head, or AlibiSpec() for BLOOM's slopes"
-                )
+        """Each feature's value against the rest of the layer (`_feature_table`), then stored
+        in its one canonical form."""
+        for feature in FEATURES:
+            feature.validate(self)
+        for feature in FEATURES:
+            object.__setattr__(self, feature.field, feature.canonical(self))
 
     @property
     def group_size(self) -> int:
@@ -353,9 +264,5 @@ class AttentionSpec:
             "use_logn_attn": self.use_logn_attn,
             "logn_base": self.logn_base,
             "softmax_scale": self.scale,
-            "use_mla": self.use_mla,
-            "headwise": self.headwise.to_dict() if self.headwise is not None else None,
-            "window": self.window.to_dict() if self.window is not None else None,
-            "logit_softcap": self.logit_softcap,
-            "alibi": self.alibi.to_dict() if self.alibi is not None else None,
+            **{key: value for f in FEATURES for key, value in f.record(self).items()},
         }

@@ -13,6 +13,7 @@ import re
 import torch
 
 from ._capabilities import Capabilities, PriorityRule
+from ._feature_table import FEATURES, FeatureSupport
 from ._platform import PLATFORM_KINDS
 
 NAME_PATTERN = re.compile(r"[A-Za-z0-9][A-Za-z0-9._+-]{0,99}")
@@ -128,6 +129,7 @@ def capability_problems(caps: object) -> list[str]:
         for flag in _CAPABILITY_FLAGS
         if not isinstance(value := getattr(caps, flag), bool)
     ]
+    problems += feature_problems(caps.features)
     limit = caps.fused_rope_max_seqlen
     if limit is not None and not _is_int(limit):
         problems.append(f"capabilities.fused_rope_max_seqlen must be an int or None, got {limit!r}")
@@ -146,4 +148,37 @@ def capability_problems(caps: object) -> list[str]:
     else:
         for i, rule in enumerate(caps.priority):
             problems += rule_problems(rule, f"capabilities.priority[{i}]")
+    return problems
+
+
+_KNOWN = {f.support: f.name for f in FEATURES if f.support is not None}
+"""Each feature's support type, by the feature's name."""
+
+
+def feature_problems(features: object) -> list[str]:
+    """Problems of ``capabilities.features``: a tuple of `FeatureSupport` values of the
+    features in the table, one per feature, whose limit flags are real bools."""
+    if not isinstance(features, tuple):
+        return [
+            "capabilities.features must be a tuple of FeatureSupport values such as "
+            f"(WindowSupport(),), got {type(features).__name__}"
+        ]
+    problems: list[str] = []
+    seen: set[str] = set()
+    for n, support in enumerate(features):
+        name = _KNOWN.get(type(support))
+        if not isinstance(support, FeatureSupport) or name is None:
+            known = ", ".join(sorted(cls.__name__ for cls in _KNOWN))
+            problems.append(
+                f"capabilities.features[{n}] must be one of {known}, got {type(support).__name__}"
+            )
+            continue
+        if name in seen:
+            problems.append(f"capabilities.features lists {type(support).__name__} twice")
+        seen.add(name)
+        problems += [
+            f"capabilities.features[{name}].{flag} must be True or False, got {value!r}"
+            for flag in _fields_typed(type(support), "bool")
+            if not isinstance(value := getattr(support, flag), bool)
+        ]
     return problems

@@ -201,10 +201,12 @@ def test_declared_capabilities():
         torch.float8_e4m3fn,
     }
     assert ck.head_dims == frozenset(range(8, 257, 8)) and ck.fp8
-    assert ck.sliding_window and ck.window_right and ck.logit_softcap
-    assert ck.alibi and ck.alibi_bidirectional and ck.alibi_custom_slopes
-    assert not ck.alibi_with_softcap, "CK's order of ALiBi and the soft-cap is not documented"
-    assert not (asm.sliding_window or asm.logit_softcap or asm.alibi), "no ASM kernel has them"
+    assert ck.features == (
+        ab.WindowSupport(right=True),
+        ab.SoftcapSupport(),
+        ab.AlibiSupport(bidirectional=True, custom_slopes=True, with_softcap=False),
+    ), "CK's order of ALiBi and the soft-cap is not documented: not both on one spec"
+    assert asm.features == (), "no ASM kernel has windows, soft-capping or ALiBi"
     for caps in (asm, ck):
         assert caps.gqa and caps.causal and caps.bidirectional
         assert not caps.needs_contiguous and caps.requires == ("aiter",)
@@ -222,7 +224,7 @@ def test_fp8_with_rope_is_refused_since_aiter_quantises_before_rotating():
     spec = spec_of(torch.float8_e4m3fnuz, rope=rope)
     reasons = aiter_plugin.AiterNonAsmBackend().supports(spec, GFX942)
     assert ab.ReasonCode.FP8 in {r.code for r in reasons}, reasons
-    assert "fp8_preprocess" in " ".join(r.message for r in reasons)
+    assert "Fp8Support(preprocess=True)" in " ".join(r.message for r in reasons)
 
 
 @pytest.mark.parametrize(

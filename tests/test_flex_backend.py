@@ -110,11 +110,22 @@ def test_selector_on_cuda_dry_run(registry, spec, winner):
     assert ab.select(spec, platform=SM90, registry=registry).name == winner
 
 
-def test_flex_refuses_headwise_masks(registry):
-    hw = ab.HeadwiseConfig(frozenset({0}), sink_token_num=2, swa_token_num=4, seqlen_threshold=8)
-    spec = spec_of(True, dtype=torch.bfloat16, headwise=hw)
-    codes = [r.code for r in flex.FlexBackend().supports(spec, CPU)]
-    assert codes == [ab.ReasonCode.HEADWISE]
+HW = ab.HeadwiseConfig(frozenset({0}), sink_token_num=2, swa_token_num=4, seqlen_threshold=8)
+
+
+@pytest.mark.parametrize("platform", [CPU, SM90], ids=["cpu", "sm90"])
+def test_flex_serves_headwise_masks_under_its_own_name(registry, platform):
+    """Headwise masks are one more term of flex's mask: the selector picks flex, and the
+    former name ``headwise`` (flex without priority rules) runs only when asked for."""
+    spec = spec_of(True, dtype=torch.bfloat16, headwise=HW)
+    sel = ab.select(spec, platform=platform, registry=registry)
+    assert sel.name == "flex"
+    former = next(c for c in sel.candidates if c.name == "headwise")
+    assert former.verdict == "not ranked"
+    assert [r.code for r in former.reasons] == [ab.ReasonCode.NOT_RANKED]
+    assert ab.select(spec, backend="headwise", platform=platform, registry=registry).name == (
+        "headwise"
+    )
 
 
 # Numbers against the float64 reference.
@@ -141,6 +152,13 @@ FEATURES: dict[str, dict[str, object]] = {
     "alibi": {"alibi": ab.AlibiSpec()},
     "alibi-slopes": {"alibi": ab.AlibiSpec(tuple(0.9 / (h + 1) for h in range(8)))},
     "all": {"window": (4, 2), "logit_softcap": 3.0, "alibi": ab.AlibiSpec()},
+    "headwise": {"headwise": HW},
+    "headwise-all": {
+        "headwise": HW,
+        "window": (6, 0),
+        "logit_softcap": 3.0,
+        "alibi": ab.AlibiSpec(),
+    },
     "all-rope-logn": {
         "window": (6, 1),
         "logit_softcap": 4.0,
@@ -150,11 +168,14 @@ FEATURES: dict[str, dict[str, object]] = {
         "logn_base": 4,
     },
 }
-"""A ``window`` of ``(left, right)`` keeps ``right`` on bidirectional specs only."""
+"""A ``window`` of ``(left, right)`` keeps ``right`` on bidirectional specs only; headwise
+specs run causal only."""
 
 
 def feature_spec(name: str, causal: bool, kv_heads: int, dtype: torch.dtype):
     kw = dict(FEATURES[name])
+    if "headwise" in kw and not causal:
+        pytest.skip("headwise masks are causal")
     if "window" in kw:
         left, right = cast(tuple[int, int], kw["window"])
         kw["window"] = ab.SlidingWindow(left, 0 if causal else right)

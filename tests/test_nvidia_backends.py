@@ -1,4 +1,4 @@
-"""``flashinfer``, ``flashinfer-rope`` and ``trt`` on a fake flashinfer, ``headwise`` for real,
+"""``flashinfer``, ``flashinfer-rope`` and ``trt`` on a fake flashinfer, headwise (flex) for real,
 all on CPU.
 
 The fake (tests/fakes/fake_flashinfer.py) has flashinfer's signatures and checks and computes
@@ -19,7 +19,7 @@ from typing import Any, ClassVar
 
 import pytest
 import torch
-from attn_backends_builtin import _flashinfer_common, headwise
+from attn_backends_builtin import _flashinfer_common, flex, headwise
 from attn_backends_builtin import flashinfer as flashinfer_plugin
 from attn_backends_builtin.flashinfer import FlashinferBackend, FlashinferRopeBackend, RaggedPlan
 from attn_backends_builtin.trt import TrtBackend, trt_mask_mode
@@ -185,7 +185,7 @@ def test_kernel_choice_is_in_the_decision_record():
 
 
 # Priorities (H200 measurements): flashinfer-rope for RoPE it can fuse on sm90, flashinfer
-# elsewhere (trt ranks below it: never faster there), headwise for headwise.
+# elsewhere (trt ranks below it: never faster there), flex for headwise.
 
 
 @pytest.mark.parametrize(
@@ -204,8 +204,8 @@ def test_kernel_choice_is_in_the_decision_record():
         (spec_of(heads=(16, 8), rope=ab.RopeSpec(1e6, rotary_dim=64)), "cuda:sm90", "flashinfer"),
         (spec_of(heads=(12, 12), dim=64, causal=False), "cuda:sm80", "flashinfer"),
         (spec_of(dtype=torch.float32), "cuda:sm90", "torch-sdpa"),
-        (spec_of(headwise=ab.HeadwiseConfig(frozenset({0}))), "cuda:sm90", "headwise"),
-        (spec_of(headwise=ab.HeadwiseConfig(frozenset({0}))), "cpu", "headwise"),
+        (spec_of(headwise=ab.HeadwiseConfig(frozenset({0}))), "cuda:sm90", "flex"),
+        (spec_of(headwise=ab.HeadwiseConfig(frozenset({0}))), "cpu", "flex"),
     ],
 )
 def test_priorities(spec, platform, winner):
@@ -483,12 +483,17 @@ def test_conformance_catches_a_batch_on_the_wrong_side_of_the_fusion_limit(fake,
         run_case("flashinfer-rope", wrong, "cpu", platform=SM90)
 
 
-# headwise: the real backend on CPU (eager FlexAttention).
+# headwise: a term of flex's mask, on CPU (eager FlexAttention); flex's conformance suite
+# (tests/test_conformance_flex.py) runs the headwise cases its capabilities generate.
 
 
-class TestHeadwiseConformance(NoCachePrefillConformance):
-    backend_names = ("headwise",)
-    device: ClassVar[str | None] = "cpu"
+def test_headwise_is_flex_under_its_former_name():
+    assert issubclass(headwise.HeadwiseBackend, flex.FlexBackend)
+    former, current = headwise.HeadwiseBackend.capabilities, flex.FlexBackend.capabilities
+    assert former.priority == () and dataclasses.replace(former, priority=current.priority) == (
+        current
+    )
+    assert ab.HeadwiseSupport() in current.features
 
 
 HW = ab.HeadwiseConfig(frozenset({1, 4, 6}), sink_token_num=3, swa_token_num=5, seqlen_threshold=16)

@@ -345,8 +345,8 @@ DECLARATION_FAULTS: dict[str, tuple[object, object, str]] = {
     "flag-str": ("vendor", _tampered(_EAGER, gqa="yes"), "capabilities.gqa must be True or False"),
     "feature-flag-str": (
         "vendor",
-        _tampered(_EAGER, sliding_window="yes"),
-        "capabilities.sliding_window must be True or False, got 'yes'",
+        _tampered(_EAGER, features=(_tampered(ab.WindowSupport(), right="yes"),)),
+        "capabilities.features[window].right must be True or False, got 'yes'",
     ),
     "requires-str": (
         "vendor",
@@ -704,18 +704,15 @@ CAPABILITY_FLAGS = (
     "causal",
     "bidirectional",
     "needs_contiguous",
-    "mla",
-    "headwise",
     "fused_rope",
     "cuda_graph",
-    "fp8_preprocess",
-    "sliding_window",
-    "window_right",
-    "logit_softcap",
-    "alibi",
-    "alibi_bidirectional",
-    "alibi_custom_slopes",
-    "alibi_with_softcap",
+)
+FEATURE_FLAGS = (
+    (ab.WindowSupport, "right"),
+    (ab.AlibiSupport, "bidirectional"),
+    (ab.AlibiSupport, "custom_slopes"),
+    (ab.AlibiSupport, "with_softcap"),
+    (ab.Fp8Support, "preprocess"),
 )
 
 
@@ -723,6 +720,33 @@ CAPABILITY_FLAGS = (
 def test_every_capability_flag_must_be_a_bool(flag):
     problems = _validation.capability_problems(_tampered(_EAGER, **{flag: "yes"}))
     assert problems == [f"capabilities.{flag} must be True or False, got 'yes'"]
+
+
+@pytest.mark.parametrize(("support", "flag"), FEATURE_FLAGS)
+def test_every_feature_limit_must_be_a_bool(support, flag):
+    caps = _tampered(_EAGER, features=(_tampered(support(), **{flag: "yes"}),))
+    problems = _validation.capability_problems(caps)
+    assert problems == [
+        f"capabilities.features[{support.feature}].{flag} must be True or False, got 'yes'"
+    ]
+
+
+@pytest.mark.parametrize(
+    ("features", "problem"),
+    [
+        ([ab.WindowSupport()], "capabilities.features must be a tuple of FeatureSupport values"),
+        (("window",), "capabilities.features[0] must be one of AlibiSupport, "),
+        ((ab.FeatureSupport(),), "capabilities.features[0] must be one of "),
+        (
+            (ab.WindowSupport(), ab.WindowSupport(right=False)),
+            "capabilities.features lists WindowSupport twice",
+        ),
+    ],
+    ids=["list", "str", "base-class", "twice"],
+)
+def test_feature_declarations_are_checked(features, problem):
+    problems = _validation.capability_problems(_tampered(_EAGER, features=features))
+    assert len(problems) == 1 and problems[0].startswith(problem), problems
 
 
 @pytest.mark.parametrize("flag", ["gqa", "causal", "rope_fusable", "masked"])

@@ -238,7 +238,9 @@ def test_fp8_with_rope_is_refused_unless_the_backend_rotates_before_quantising()
     fp8_reasons = [r for r in reasons if r.code is ab.ReasonCode.FP8]
     assert fp8_reasons and "before quantising" in fp8_reasons[0].message
     declared = ab.Capabilities(
-        platforms=frozenset({"cpu"}), dtypes=frozenset({fp8.dtype}), fp8_preprocess=True
+        platforms=frozenset({"cpu"}),
+        dtypes=frozenset({fp8.dtype}),
+        features=(ab.Fp8Support(preprocess=True),),
     )
     assert not ab.check_capabilities(declared, fp8, ab.parse_platform("cpu"))
     no_rope = ab.AttentionSpec(4, 4, 128, torch.float8_e4m3fn, causal=True)

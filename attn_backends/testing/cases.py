@@ -2,26 +2,40 @@
 
 Each case varies one thing from a base (varlen with a single-token sequence) so a failure names
 its cause: mask, GQA, each RoPE style, logn, padding rows, strided input, tuple forms, zero-length
-and equal-length sequences, headwise masks. Refusal cases build a request the backend did not
+and equal-length sequences. Each feature's cases (windows, soft-cap, ALiBi, headwise masks, RoPE
+scaling) come from its descriptor in `attn_backends._feature_table`, alone and combined with
+every other feature the backend declares. Refusal cases build a request the backend did not
 declare and expect `supports()` to say so with the matching reason code.
 """
 
 from __future__ import annotations
 
+import itertools
 from dataclasses import dataclass, replace
-from typing import Literal
+from typing import Any
 
 import torch
 
 from .._capabilities import Capabilities
 from .._dtypes import FP8_DTYPES, dtype_name
-from .._features import AlibiSpec, SlidingWindow
+from .._feature_table import FEATURE_LENGTHS, FEATURES, ROPE_SCALING, CaseSketch, InputForm
 from .._platform import Platform, PlatformKind, parse_platform
 from .._reasons import ReasonCode
-from .._rope_scaling import RopeScaling
-from .._spec import AttentionSpec, HeadwiseConfig, RopeSpec
+from .._spec import AttentionSpec, RopeSpec
 
-InputForm = Literal["plain", "strided", "tuple-none", "tuple-empty", "separate", "separate-3d"]
+__all__ = [
+    "FEATURE_LENGTHS",
+    "ConformanceCase",
+    "InputForm",
+    "RefusalCase",
+    "base_case",
+    "conformance_cases",
+    "feature_cases",
+    "feature_refusals",
+    "graph_case",
+    "refusal_cases",
+    "rope_scaling_cases",
+]
 
 VARLEN = (5, 17, 1, 32)
 _FLOAT_ORDER = (torch.float32, torch.float16, torch.bfloat16)
@@ -72,7 +86,6 @@ def conformance_cases(caps: Capabilities) -> list[ConformanceCase]:
     dim = head_dims[0]
     heads, kv_heads = (8, 2) if caps.gqa else (4, 4)
     mask = caps.causal
-    hw = HeadwiseConfig(frozenset({0, 3}), sink_token_num=2, swa_token_num=4, seqlen_threshold=8)
     masks = [m for m, ok in ((True, caps.causal), (False, caps.bidirectional)) if ok]
 
     def spec(dtype: torch.dtype, **kw: object) -> AttentionSpec:
@@ -82,7 +95,6 @@ def conformance_cases(caps: Capabilities) -> list[ConformanceCase]:
             "head_dim": dim,
             "dtype": dtype,
             "causal": mask,
-            "headwise": hw if caps.headwise else None,
         }
         fields.update(kw)
         return AttentionSpec(**fields)  # type: ignore[arg-type]
@@ -147,8 +159,6 @@ def conformance_cases(caps: Capabilities) -> list[ConformanceCase]:
                     form="strided",
                 )
             )
-    if caps.headwise:
-        cases.append(ConformanceCase(f"{tag}-headwise-mixed-lengths", base, lengths=(5, 17, 7, 33)))
     cases += feature_cases(caps, base, masks)
     limit = caps.fused_rope_max_seqlen
     if caps.fused_rope and limit is not None and base.rope_fusable:
@@ -159,52 +169,24 @@ def conformance_cases(caps: Capabilities) -> list[ConformanceCase]:
                 f"{tag}-past-fused-rope-limit", base, (limit + 1, 2), expect_fused=False
             ),
         ]
-    cases += rope_scaling_cases(base)
     return cases
 
 
 def rope_scaling_cases(base: AttentionSpec) -> list[ConformanceCase]:
-    """One case per RoPE scaling rule on ``base``: the chosen pass must apply it (theta-only
-    kernels refuse it, so the torch pass serves it) and match the float64 reference. The
-    length-dependent rules (dynamic, longrope) run once below and once past their threshold of
-    16 tokens, so both sets of frequencies are checked; padding rows and strided input too."""
-    tag = dtype_name(base.dtype)
-    pairs = base.head_dim // 2
-    rules = {
-        "linear": RopeScaling("linear", factor=4.0),
-        "dynamic": RopeScaling("dynamic", factor=2.0, max_position_embeddings=16),
-        "yarn": RopeScaling("yarn", factor=4.0, original_max_position_embeddings=16),
-        "yarn-mscale": RopeScaling(
-            "yarn",
-            factor=8.0,
-            original_max_position_embeddings=16,
-            mscale=0.707,
-            mscale_all_dim=1.0,
-            truncate=False,
-        ),
-        "longrope": RopeScaling(
-            "longrope",
-            factor=4.0,
-            original_max_position_embeddings=16,
-            short_factor=tuple(1.0 + i / pairs for i in range(pairs)),
-            long_factor=tuple(1.0 + 8.0 * i / pairs for i in range(pairs)),
-        ),
-        "llama3": RopeScaling(
-            "llama3",
-            factor=8.0,
-            original_max_position_embeddings=64,
-            low_freq_factor=1.0,
-            high_freq_factor=4.0,
-        ),
-        "proportional": RopeScaling("proportional", factor=2.0, partial_rotary_factor=0.25),
-    }
-    cases: list[ConformanceCase] = []
-    for name, rule in rules.items():
-        spec = replace(base, rope=RopeSpec(1e4, scaling=rule))
-        cases.append(ConformanceCase(f"{tag}-rope-{name}", spec, padding_rows=3, form="strided"))
-        if rule.length_dependent:
-            cases.append(ConformanceCase(f"{tag}-rope-{name}-short", spec, lengths=(5, 1, 12)))
-    return cases
+    """One case per RoPE scaling rule on ``base`` (`_feature_table.RopeScalingFeature`)."""
+    return [_case(base, sketch) for sketch in ROPE_SCALING.cases(None, base, [base.causal])]
+
+
+def _case(base: AttentionSpec, sketch: CaseSketch) -> ConformanceCase:
+    """A feature's proposed case on ``base``, its id prefixed with the dtype."""
+    spec = replace(base, **sketch.fields)  # type: ignore[arg-type]  # a feature's spec fields
+    return ConformanceCase(
+        f"{dtype_name(spec.dtype)}-{sketch.name}",
+        spec,
+        lengths=sketch.lengths if sketch.lengths is not None else VARLEN,
+        padding_rows=sketch.padding_rows,
+        form=sketch.form,
+    )
 
 
 def base_case(caps: Capabilities) -> ConformanceCase | None:
@@ -229,15 +211,7 @@ def refusal_cases(caps: Capabilities, platform: Platform) -> list[RefusalCase]:
     dtypes = _float_dtypes(caps)
     dtype = dtypes[0] if dtypes else next(iter(sorted(caps.dtypes, key=str)))
     dim = _pick_head_dims(caps)[0]
-    hw = HeadwiseConfig(frozenset({0}), sink_token_num=2, swa_token_num=4, seqlen_threshold=8)
-    base = AttentionSpec(
-        num_heads=4,
-        num_kv_heads=4,
-        head_dim=dim,
-        dtype=dtype,
-        causal=caps.causal,
-        headwise=hw if caps.headwise else None,
-    )
+    base = AttentionSpec(num_heads=4, num_kv_heads=4, head_dim=dim, dtype=dtype, causal=caps.causal)
     cases: list[RefusalCase] = []
     for other in (*_FLOAT_ORDER, torch.float8_e4m3fn):
         if other not in caps.dtypes:
@@ -260,21 +234,11 @@ def refusal_cases(caps: Capabilities, platform: Platform) -> list[RefusalCase]:
         cases.append(
             RefusalCase(
                 "bidirectional",
-                replace(base, causal=False, headwise=None),
+                replace(base, causal=False),
                 None,
                 ReasonCode.BIDIRECTIONAL,
             )
         )
-    if not caps.mla:
-        cases.append(RefusalCase("mla", replace(base, use_mla=True), None, ReasonCode.MLA))
-    if caps.headwise:
-        cases.append(
-            RefusalCase(
-                "headwise-missing-config", replace(base, headwise=None), None, ReasonCode.HEADWISE
-            )
-        )
-    elif base.causal:
-        cases.append(RefusalCase("headwise", replace(base, headwise=hw), None, ReasonCode.HEADWISE))
     cases += feature_refusals(caps, base)
     samples: dict[PlatformKind, str] = {"cpu": "cpu", "cuda": "cuda:sm90", "rocm": "rocm:gfx942"}
     for kind, text in samples.items():
@@ -290,87 +254,46 @@ def refusal_cases(caps: Capabilities, platform: Platform) -> list[RefusalCase]:
     return cases
 
 
-FEATURE_LENGTHS = (5, 17, 1, 32, 8)
-"""Varlen batch for windows: windows of 8 are smaller than 17 and 32, equal to 8, larger than
-5 and 1."""
-
-
 def feature_cases(
     caps: Capabilities, base: AttentionSpec, masks: list[bool]
 ) -> list[ConformanceCase]:
-    """Sliding windows, soft-capping and ALiBi, each alone, with GQA and together, on the
-    masks the backend declares. ``base`` is the varlen RoPE case of the first dtype."""
-    tag = dtype_name(base.dtype)
-    cases: list[ConformanceCase] = []
-
-    def add(name: str, spec: AttentionSpec, **kw: object) -> None:
-        cases.append(ConformanceCase(f"{tag}-{name}", spec, **kw))  # type: ignore[arg-type]
-
-    mha = replace(base, num_kv_heads=base.num_heads)
+    """Each declared feature's own cases (`Feature.cases`), then every pair of declared
+    features and all of them together, on each mask the backend declares; combinations the
+    backend's declared limits refuse (ALiBi with the soft-cap on flashinfer) are left out.
+    The other float dtypes run all of them together. ``base`` is the varlen RoPE case of the
+    first dtype."""
+    declared = [
+        (f, caps.support(f)) for f in FEATURES if f.support is None or caps.support(f) is not None
+    ]
+    cases = [
+        _case(base, sketch) for f, support in declared for sketch in f.cases(support, base, masks)
+    ]
     for causal in masks:
-        mask = "causal" if causal else "bidir"
         spec = replace(base, causal=causal)
-        if caps.sliding_window:
-            windows = (
-                [("w8", SlidingWindow.causal(8)), ("w1", SlidingWindow.causal(1))]
-                if causal or not caps.window_right
-                else [
-                    ("w4-4", SlidingWindow(4, 4)),
-                    ("w0-3", SlidingWindow(0, 3)),
-                    ("w6-0", SlidingWindow(6, 0)),
-                    ("w64-64", SlidingWindow(64, 64)),
-                ]
-            )
-            for name, window in windows:
-                add(f"{mask}-window-{name}", replace(spec, window=window), lengths=FEATURE_LENGTHS)
-            add(
-                f"{mask}-window-mha-padding",
-                replace(mha, causal=causal, window=windows[0][1]),
-                lengths=FEATURE_LENGTHS,
-                padding_rows=3,
-            )
-        if caps.logit_softcap:
-            add(f"{mask}-softcap", replace(spec, logit_softcap=2.0))
-            add(f"{mask}-softcap-mha", replace(mha, causal=causal, logit_softcap=30.0))
-        alibi = caps.alibi and (causal or caps.alibi_bidirectional)
-        if alibi:
-            add(f"{mask}-alibi", replace(spec, rope=None, alibi=AlibiSpec()))
-            add(f"{mask}-alibi-gqa-rope", replace(spec, alibi=AlibiSpec()), padding_rows=2)
-        if alibi and caps.alibi_custom_slopes:
-            slopes = tuple(0.5 / (h + 1) for h in range(base.num_heads))
-            add(
-                f"{mask}-alibi-slopes-mha-strided",
-                replace(mha, causal=causal, rope=None, alibi=AlibiSpec(slopes)),
-                form="strided",
-            )
-        right = 2 if not causal and caps.window_right else 0
-        if caps.sliding_window and caps.logit_softcap and alibi and caps.alibi_with_softcap:
-            window = SlidingWindow(5, right)
-            add(
-                f"{mask}-window-softcap-alibi",
-                replace(spec, window=window, logit_softcap=5.0, alibi=AlibiSpec()),
-                lengths=FEATURE_LENGTHS,
-            )
-        elif caps.sliding_window and alibi:
-            window = SlidingWindow(5, right)
-            add(
-                f"{mask}-window-alibi",
-                replace(spec, rope=None, window=window, alibi=AlibiSpec()),
-                lengths=FEATURE_LENGTHS,
-            )
-        if caps.sliding_window and caps.logit_softcap:
-            add(
-                f"{mask}-window-softcap",
-                replace(spec, window=SlidingWindow(3, right), logit_softcap=3.0),
-                lengths=FEATURE_LENGTHS,
-            )
-        every = _declared_features(caps, causal)
+        samples = [
+            (f.name, on)
+            for f, support in declared
+            if support is not None and (on := f.sample(support, causal)) is not None
+        ]
+        mask = "causal" if causal else "bidir"
+        combos = [list(pair) for pair in itertools.combinations(samples, 2)]
+        combos += [samples] if len(samples) > 2 else []
+        for combo in combos:
+            combined = _combined(caps, spec, combo)
+            if combined is not None:
+                name = "-".join(n.replace("logit_", "") for n, _ in combo)
+                cases.append(
+                    ConformanceCase(
+                        f"{dtype_name(spec.dtype)}-{mask}-{name}", combined, FEATURE_LENGTHS
+                    )
+                )
+        every = _greedy(caps, spec, samples)
         for dtype in _float_dtypes(caps)[1:]:
-            if every:
+            if every is not None:
                 cases.append(
                     ConformanceCase(
                         f"{dtype_name(dtype)}-{mask}-features-strided",
-                        replace(spec, dtype=dtype, **every),  # type: ignore[arg-type]
+                        replace(every, dtype=dtype),
                         lengths=FEATURE_LENGTHS,
                         padding_rows=2,
                         form="strided",
@@ -379,43 +302,37 @@ def feature_cases(
     return cases
 
 
-def _declared_features(caps: Capabilities, causal: bool) -> dict[str, object]:
-    """Spec fields turning on every feature the backend declares (for the 16-bit cases)."""
-    fields: dict[str, object] = {}
-    if caps.sliding_window:
-        fields["window"] = SlidingWindow(6, 3 if not causal and caps.window_right else 0)
-    if caps.logit_softcap:
-        fields["logit_softcap"] = 4.0
-    alibi = caps.alibi and (causal or caps.alibi_bidirectional)
-    if alibi and (caps.alibi_with_softcap or not caps.logit_softcap):
-        fields["alibi"] = AlibiSpec()
-    return fields
+def _combined(
+    caps: Capabilities, spec: AttentionSpec, combo: list[tuple[str, dict[str, object]]]
+) -> AttentionSpec | None:
+    """``spec`` with every sample of ``combo`` on, or ``None`` when the declared limits
+    refuse that combination."""
+    fields: dict[str, Any] = {}
+    for _, on in combo:
+        fields.update(on)
+    combined = replace(spec, **fields)
+    refused = any(f.reasons(caps.support(f), combined) for f in FEATURES)
+    return None if refused else combined
+
+
+def _greedy(
+    caps: Capabilities, spec: AttentionSpec, samples: list[tuple[str, dict[str, object]]]
+) -> AttentionSpec | None:
+    """``spec`` with as many declared features on as the limits take together (table order);
+    ``None`` when the backend declares none."""
+    taken: list[tuple[str, dict[str, object]]] = []
+    for sample in samples:
+        if _combined(caps, spec, [*taken, sample]) is not None:
+            taken.append(sample)
+    return _combined(caps, spec, taken) if taken else None
 
 
 def feature_refusals(caps: Capabilities, base: AttentionSpec) -> list[RefusalCase]:
-    """A window, a soft-cap and ALiBi on a backend that does not declare them."""
+    """Each feature the backend does not declare, and each limit of those it declares
+    (`Feature.refusals`)."""
     cases: list[RefusalCase] = []
-    if not caps.sliding_window:
-        window = replace(base, window=SlidingWindow.causal(8))
-        cases.append(RefusalCase("sliding-window", window, None, ReasonCode.SLIDING_WINDOW))
-    if caps.sliding_window and not caps.window_right:
-        both = replace(base, causal=False, headwise=None, window=SlidingWindow(4, 4))
-        cases.append(RefusalCase("window-right", both, None, ReasonCode.SLIDING_WINDOW))
-    if not caps.logit_softcap:
-        capped = replace(base, logit_softcap=30.0)
-        cases.append(RefusalCase("logit-softcap", capped, None, ReasonCode.SOFTCAP))
-    if not caps.alibi:
-        cases.append(RefusalCase("alibi", replace(base, alibi=AlibiSpec()), None, ReasonCode.ALIBI))
-        return cases
-    if not caps.alibi_bidirectional:
-        bidir = replace(base, causal=False, headwise=None, alibi=AlibiSpec())
-        cases.append(RefusalCase("alibi-bidirectional", bidir, None, ReasonCode.ALIBI))
-    if not caps.alibi_custom_slopes:
-        custom = AlibiSpec(tuple(0.5 / (h + 1) for h in range(base.num_heads)))
-        cases.append(
-            RefusalCase("alibi-custom-slopes", replace(base, alibi=custom), None, ReasonCode.ALIBI)
-        )
-    if caps.logit_softcap and not caps.alibi_with_softcap:
-        both = replace(base, alibi=AlibiSpec(), logit_softcap=30.0)
-        cases.append(RefusalCase("alibi-with-softcap", both, None, ReasonCode.ALIBI))
+    for feature in FEATURES:
+        for sketch in feature.refusals(caps.support(feature), base):
+            spec = replace(base, **sketch.fields)  # type: ignore[arg-type]  # spec fields
+            cases.append(RefusalCase(sketch.name, spec, None, sketch.code))
     return cases

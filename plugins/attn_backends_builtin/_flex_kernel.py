@@ -1,4 +1,4 @@
-"""torch FlexAttention plumbing shared by the backends built on it (``headwise``, ``flex``).
+"""torch FlexAttention plumbing for ``flex`` (and its former name ``headwise``).
 
 A packed batch runs as one ``[1, heads, tokens, D]`` sequence; the mask function keeps every
 token inside its own sequence (`document_ids`). The kernel is ``torch.compile``-d on CUDA

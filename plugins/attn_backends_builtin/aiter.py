@@ -25,6 +25,7 @@ from __future__ import annotations
 import torch
 
 from attn_backends import (
+    AlibiSupport,
     AttentionSpec,
     Capabilities,
     Platform,
@@ -32,6 +33,8 @@ from attn_backends import (
     PriorityRule,
     Reason,
     ReasonCode,
+    SoftcapSupport,
+    WindowSupport,
     dtype_name,
     hookimpl,
 )
@@ -100,13 +103,7 @@ class AiterNonAsmBackend(AiterVarlenBackend):
         causal=True,
         bidirectional=True,
         needs_contiguous=False,
-        sliding_window=True,
-        window_right=True,
-        logit_softcap=True,
-        alibi=True,
-        alibi_bidirectional=True,
-        alibi_custom_slopes=True,
-        alibi_with_softcap=False,
+        features=(WindowSupport(), SoftcapSupport(), AlibiSupport(with_softcap=False)),
         requires=("aiter",),
         priority=(
             PriorityRule("rocm", 100, note="policy: aiter CK kernels before the torch fallback"),

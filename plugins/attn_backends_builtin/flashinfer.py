@@ -52,6 +52,7 @@ from typing import Any
 import torch
 
 from attn_backends import (
+    AlibiSupport,
     AnyPlan,
     AttentionSpec,
     BackendFailure,
@@ -64,6 +65,8 @@ from attn_backends import (
     PrefillBackend,
     PriorityRule,
     QKVViews,
+    SoftcapSupport,
+    WindowSupport,
     dtype_name,
     hookimpl,
     preprocess_mode,
@@ -218,13 +221,11 @@ class FlashinferBackend(PrefillBackend):
         head_dims=PREFILL_HEAD_DIMS,
         min_sm=80,
         cuda_graph=True,
-        sliding_window=True,
-        window_right=False,
-        logit_softcap=True,
-        alibi=True,
-        alibi_bidirectional=False,
-        alibi_custom_slopes=False,
-        alibi_with_softcap=False,
+        features=(
+            WindowSupport(right=False),
+            SoftcapSupport(),
+            AlibiSupport(bidirectional=False, custom_slopes=False, with_softcap=False),
+        ),
         requires=("flashinfer",),
         priority=(
             PriorityRule(

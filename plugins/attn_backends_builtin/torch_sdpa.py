@@ -5,9 +5,10 @@ Consecutive sequences of equal length form one ``[n, L, H, D]`` view of the pack
 batch of equal-length sequences (BERT-style) is a single SDPA call and no gather is needed.
 
 Sliding windows and ALiBi become one explicit mask per distinct sequence length, built in
-``prepare`` (positions restart per sequence, so every sequence of a length shares it): boolean
-``[L, L]`` for a window alone, additive ``[H, L, L]`` with ALiBi. Soft-capping acts between the
-two matmuls inside SDPA and cannot be expressed, so it is not declared.
+``prepare`` (positions restart per sequence, so every sequence of a length shares it) from the
+same elementwise definition flex runs (`_masks.dense_mask`): boolean ``[L, L]`` for a window
+alone, additive ``[H, L, L]`` with ALiBi. Soft-capping acts between the two matmuls inside SDPA
+and cannot be expressed, so it is not declared.
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ import torch
 import torch.nn.functional as F
 
 from attn_backends import (
+    AlibiSupport,
     AttentionSpec,
     BackendFailure,
     Capabilities,
@@ -27,9 +29,10 @@ from attn_backends import (
     PrefillPlan,
     PriorityRule,
     QKVViews,
+    WindowSupport,
     hookimpl,
 )
-from attn_backends_builtin._masks import explicit_mask
+from attn_backends_builtin._masks import dense_mask
 
 API_VERSION = "1.0"
 
@@ -70,8 +73,7 @@ class TorchSdpaBackend(PrefillBackend):
     capabilities = Capabilities(
         platforms=frozenset({"cpu", "cuda", "rocm"}),
         dtypes=frozenset({torch.float32, torch.float16, torch.bfloat16}),
-        sliding_window=True,
-        alibi=True,
+        features=(WindowSupport(), AlibiSupport()),
         priority=(
             PriorityRule("cpu", 100, note="default on CPU"),
             PriorityRule("cuda", 0, note="last resort"),
@@ -84,7 +86,7 @@ class TorchSdpaBackend(PrefillBackend):
         masks: dict[int, torch.Tensor] = {}
         if spec.window is not None or spec.alibi is not None:
             for length in sorted({run.length for run in runs}):
-                masks[length] = explicit_mask(spec, length, params.device)
+                masks[length] = dense_mask(spec, length, params.device)
         return SdpaPlan(runs, masks)
 
     def attend(self, views: QKVViews, plan: PrefillPlan) -> torch.Tensor:
