@@ -1,0 +1,49 @@
+"""Which ``attn_implementation`` names run this library's attention function.
+
+A model "loaded with the integration" holds, in ``config._attn_implementation``, a name that
+transformers' attention registry maps to `transformers.attention_forward`, or to a pinned
+``functools.partial`` of it (``register(backend=...)``), or to a graph runner's dispatcher
+(which serves that same function outside its buckets). The sentence-transformers adapter and
+the graph runner both refuse a model on anything else, by name.
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Callable
+from typing import Any
+
+from .._errors import IntegrationError
+from .transformers import attention_forward
+
+__all__ = ["mark_ours", "require_ours"]
+
+_OURS: set[int] = set()
+"""``id`` of functions (kept alive by transformers' registry) that serve this library."""
+
+
+def mark_ours(function: Callable[..., Any]) -> None:
+    """Record a function registered by this package that ends in `attention_forward`."""
+    _OURS.add(id(function))
+
+
+def _is_ours(function: object) -> bool:
+    if function is attention_forward or id(function) in _OURS:
+        return True
+    return isinstance(function, functools.partial) and function.func is attention_forward
+
+
+def require_ours(model: Any, where: str) -> str:
+    """``model``'s attention implementation name, or `IntegrationError` when that name does not
+    run this library's attention (``where`` says what the caller wanted to do)."""
+    from transformers import AttentionInterface
+
+    name = model.config._attn_implementation
+    if not _is_ours(AttentionInterface._global_mapping.get(name)):
+        raise IntegrationError(
+            f"{type(model).__name__} runs attn_implementation={name!r}, not this library's "
+            f"attention, so {where} cannot serve it: load the model with "
+            "attn_implementation=attn_backends.integrations.transformers.register() (or, for "
+            "sentence-transformers, attn_backends.integrations.sentence_transformers.load())"
+        )
+    return str(name)

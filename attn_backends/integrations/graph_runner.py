@@ -1,0 +1,439 @@
+"""Whole-model CUDA graphs for varlen batches: one graph per bucket, replayed per batch.
+
+A short query batch spends most of its time on the host: a 24-layer encoder launches hundreds
+of small kernels per forward. Captured whole in a CUDA graph it replays in a fraction of that,
+but a graph fixes every shape and buffer, and varlen attention plans per batch. The library's
+graph mode (`GraphBucket`, ``backend.prepare_graph``, `GraphPlan.update`) plans a bucket once
+and re-plans it in place; `GraphRunner` applies it to a whole transformers model loaded with
+the integration:
+
+- ``buckets`` (most tokens, most sequences, optionally the longest sequence): a batch runs in
+  the smallest bucket it fits, as one packed row of the bucket's ``max_tokens`` rows;
+- each bucket owns static ``input_ids``/``position_ids`` buffers, the batch is copied in and
+  the rest filled with padding; each distinct attention spec of the model gets one
+  `GraphPlan` per bucket, updated in place for every batch;
+- on CUDA the whole forward is captured once per bucket, at its first batch (after a warm-up
+  on a side stream), and replayed for every later batch; all buckets' graphs share one memory
+  pool;
+- a batch no bucket fits runs eagerly through the integration, as packed input.
+
+Padding rows never reach a real token or the output: the graph plan cuts them into padding
+sequences that attend only among themselves (`attn_backends._graph`), every other layer of an
+encoder works per token, and only the batch's rows are returned.
+
+On CPU (no capture) the runner does the same bucketing with the same static buffers, running
+the model eagerly: with graph plans when the backend offers them, else with a per-batch plan of
+the same padded sequence list. Before its first bucketed batch the runner runs that batch
+through the integration unchanged, so a model the integration refuses is refused here first,
+with the integration's error.
+
+While the runner drives a forward, the model's attention and mask functions (registered under
+``<name>_graphs``, to which the runner switches the model) serve the bucket; at any other time
+they are the integration's own, so the model keeps working outside the runner.
+"""
+
+from __future__ import annotations
+
+import inspect
+import itertools
+import threading
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any, Literal
+
+import torch
+
+from .._errors import GraphModeError, IntegrationError, ParamsError
+from .._graph import GraphBucket, GraphPlan, slot_lengths
+from .._params import FMHAParams
+from .._platform import Platform
+from .._protocol import CudaGraphPrefill
+from .._selector import select
+from .._spec import AttentionSpec
+from . import _registered
+from ._served import check_served
+from .transformers import _refuse_unsupported_call, _spec_for
+
+__all__ = ["GraphRunner", "RunnerStats"]
+
+PlanKind = Literal["graph", "eager"]
+
+
+@dataclass
+class RunnerStats:
+    """What the runner did, batch by batch (for tests and logs)."""
+
+    captures: int = 0
+    replays: int = 0
+    bucketed: int = 0
+    """Bucketed batches run without a graph (CPU, or the first batch of a bucket)."""
+    eager: int = 0
+    """Batches no bucket fits, run through the integration."""
+    buckets: list[GraphBucket | None] = field(default_factory=list)
+    """The bucket of every batch, in order (None: eager)."""
+
+
+@dataclass(eq=False)
+class _BucketState:
+    """A bucket's static buffers, its plans and (on CUDA) its captured graph."""
+
+    bucket: GraphBucket
+    input_ids: torch.Tensor
+    position_ids: torch.Tensor
+    plans: dict[AttentionSpec, tuple[Any, object, torch.Tensor | None]] = field(
+        default_factory=dict
+    )
+    """spec -> (backend, plan, qkv): a `GraphPlan` kept for the bucket's life with the packed
+    QKV buffer its graph reads (the layers of the spec take turns in it), or a per-batch
+    plan that reads the model's q/k/v where they are (no buffer)."""
+    params: FMHAParams | None = None
+    lengths: tuple[int, ...] = ()
+    graph: torch.cuda.CUDAGraph | None = None
+    output: torch.Tensor | None = None
+
+
+class _Active(threading.local):
+    state: _BucketState | None = None
+    runner: GraphRunner | None = None
+
+
+_active = _Active()
+
+
+def _dispatch_attention(inner: Any) -> Any:
+    def attention(
+        module: torch.nn.Module,
+        query: torch.Tensor,
+        key: torch.Tensor,
+        value: torch.Tensor,
+        attention_mask: torch.Tensor | None,
+        dropout: float = 0.0,
+        scaling: float | None = None,
+        is_causal: bool | None = None,
+        **kwargs: Any,
+    ) -> tuple[torch.Tensor, None]:
+        runner, state = _active.runner, _active.state
+        if runner is None or state is None:
+            return inner(  # type: ignore[no-any-return]
+                module, query, key, value, attention_mask, dropout, scaling, is_causal, **kwargs
+            )
+        return runner._attend(state, module, query, key, value, dropout, scaling, is_causal, kwargs)
+
+    _registered.mark_ours(attention)
+    return attention
+
+
+def _dispatch_mask(inner: Any) -> Any:
+    def mask(*args: Any, **kwargs: Any) -> Any:
+        if _active.state is None:
+            return inner(*args, **kwargs)
+        return None  # the bucket's plans hold the layout; no mask tensor, no device work
+
+    return mask
+
+
+def _rows(x: torch.Tensor) -> torch.Tensor:
+    """``x [1, H, S, D]`` as ``[S, H, D]``, copied only when heads are not dense per token."""
+    rows = x[0].transpose(0, 1)
+    if rows.stride(-1) != 1 or (rows.shape[1] > 1 and rows.stride(1) != rows.shape[2]):
+        rows = rows.contiguous()
+    return rows
+
+
+class GraphRunner:
+    """Run a transformers model (loaded with the integration) on packed batches in buckets.
+
+    ``plans``: ``"graph"`` uses the backend's graph mode (required to capture; the default on
+    CUDA), ``"eager"`` a per-batch plan of the bucket's padded sequence list (the default
+    elsewhere). ``capture`` (default: on CUDA with graph plans) captures and replays.
+    ``backend``/``platform`` go to `select` (``cuda_graph=True`` with graph plans).
+    ``position_offset`` and ``pad_token_id`` fill what a batch does not give: positions
+    restart at the offset (``pad_token_id + 1`` for RoBERTa-style models), padding rows hold
+    ``pad_token_id``.
+    """
+
+    def __init__(
+        self,
+        model: torch.nn.Module,
+        buckets: Sequence[GraphBucket],
+        *,
+        plans: PlanKind | None = None,
+        capture: bool | None = None,
+        backend: str | None = None,
+        platform: Platform | str | None = None,
+        position_offset: int = 0,
+        pad_token_id: int = 0,
+        warmup: int = 2,
+    ) -> None:
+        if not buckets or not all(isinstance(b, GraphBucket) for b in buckets):
+            raise ParamsError("GraphRunner needs at least one GraphBucket")
+        self.model = model
+        self.device = next(model.parameters()).device
+        self.buckets = tuple(sorted(set(buckets), key=lambda b: (b.max_tokens, b.max_batch)))
+        self.plans: PlanKind = plans or ("graph" if self.device.type == "cuda" else "eager")
+        self.capture = (
+            self.plans == "graph" and self.device.type == "cuda" if capture is None else capture
+        )
+        if self.capture and (self.plans != "graph" or self.device.type != "cuda"):
+            raise ParamsError("capture needs graph plans on a CUDA device")
+        self.backend = backend
+        self.platform = platform
+        self.position_offset = position_offset
+        self.pad_token_id = pad_token_id
+        self.warmup = warmup
+        self.stats = RunnerStats()
+        self._states: dict[GraphBucket, _BucketState] = {}
+        self._pool: Any = None
+        self._checked = False
+        self._no_cache = "use_cache" in inspect.signature(model.forward).parameters
+        self.attn_implementation = self._switch_attention(model)
+
+    @staticmethod
+    def _switch_attention(model: Any) -> str:
+        """Register ``<name>_graphs`` around the model's integration functions; switch to it."""
+        from transformers import AttentionInterface
+        from transformers.masking_utils import AttentionMaskInterface
+
+        name = _registered.require_ours(model, "GraphRunner")
+        if name.endswith("_graphs"):
+            return name
+        graphs = f"{name}_graphs"
+        AttentionInterface.register(
+            graphs, _dispatch_attention(AttentionInterface._global_mapping[name])
+        )
+        AttentionMaskInterface.register(
+            graphs, _dispatch_mask(AttentionMaskInterface._global_mapping[name])
+        )
+        model.set_attn_implementation(graphs)
+        return graphs
+
+    # -- public -----------------------------------------------------------------------------
+
+    def bucket_for(self, lengths: Sequence[int]) -> GraphBucket | None:
+        """The smallest bucket ``lengths`` fit, or None (the batch runs eagerly)."""
+        tokens, longest = sum(lengths), max(lengths)
+        for bucket in self.buckets:
+            if (
+                tokens <= bucket.max_tokens
+                and len(lengths) <= bucket.max_batch
+                and longest <= bucket.seqlen_limit
+            ):
+                return bucket
+        return None
+
+    def buffers(self, bucket: GraphBucket) -> tuple[torch.Tensor, torch.Tensor]:
+        """The static ``input_ids``/``position_ids`` ``[1, max_tokens]`` of ``bucket``."""
+        state = self._state(bucket)
+        return state.input_ids, state.position_ids
+
+    @torch.inference_mode()
+    def __call__(
+        self,
+        input_ids: torch.Tensor,
+        cu_seq_lens: torch.Tensor | Sequence[int],
+        position_ids: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        """The last hidden state ``[1, T, C]`` of one packed batch: ``input_ids`` ``[1, T]``,
+        ``cu_seq_lens`` its ``n + 1`` prefix sums, ``position_ids`` ``[1, T]`` (default:
+        restarting at ``position_offset``)."""
+        bounds = [
+            int(x)
+            for x in (
+                cu_seq_lens.tolist() if isinstance(cu_seq_lens, torch.Tensor) else cu_seq_lens
+            )
+        ]
+        lengths = tuple(b - a for a, b in itertools.pairwise(bounds))
+        tokens = bounds[-1] if bounds else 0
+        if (
+            input_ids.dim() != 2
+            or input_ids.shape[0] != 1
+            or len(bounds) < 2
+            or bounds[0] != 0
+            or input_ids.shape[1] != tokens
+            or any(n <= 0 for n in lengths)
+        ):
+            raise IntegrationError(
+                f"GraphRunner takes one packed row: input_ids [1, T] and cu_seq_lens from 0 to "
+                f"T with no empty sequence; got input_ids {tuple(input_ids.shape)} and "
+                f"cu_seq_lens {bounds[:6]}{'...' if len(bounds) > 6 else ''}"
+            )
+        input_ids = input_ids.to(self.device)
+        if position_ids is None:
+            position_ids = self._positions(lengths)
+        position_ids = position_ids.to(self.device)
+        bucket = self.bucket_for(lengths)
+        self.stats.buckets.append(bucket)
+        if bucket is None or not self._checked:
+            hidden = self._eager(input_ids, position_ids, bounds)
+            self._checked = True
+            if bucket is None:
+                self.stats.eager += 1
+                return hidden
+        return self._bucketed(self._state(bucket), input_ids, position_ids, lengths)
+
+    # -- internals --------------------------------------------------------------------------
+
+    def _positions(self, lengths: Sequence[int]) -> torch.Tensor:
+        return torch.cat([torch.arange(n) for n in lengths])[None] + self.position_offset
+
+    def _forward(self, **inputs: Any) -> torch.Tensor:
+        if self._no_cache:
+            inputs["use_cache"] = False
+        out = self.model(**inputs)
+        hidden = out[0] if isinstance(out, tuple) else next(iter(out.values()))
+        return hidden  # type: ignore[no-any-return]
+
+    def _eager(
+        self, input_ids: torch.Tensor, position_ids: torch.Tensor, bounds: list[int]
+    ) -> torch.Tensor:
+        """The batch through the integration as packed input (its checks included)."""
+        cu = torch.tensor(bounds, dtype=torch.int32, device=self.device)
+        longest = max(b - a for a, b in itertools.pairwise(bounds))
+        hidden = self._forward(
+            input_ids=input_ids,
+            position_ids=position_ids,
+            cu_seq_lens_q=cu,
+            cu_seq_lens_k=cu,
+            max_length_q=longest,
+            max_length_k=longest,
+        )
+        check_served(hidden, cu)  # refuses boundaries no attention layer read
+        return hidden
+
+    def _state(self, bucket: GraphBucket) -> _BucketState:
+        state = self._states.get(bucket)
+        if state is None:
+            shape = (1, bucket.max_tokens)
+            state = _BucketState(
+                bucket,
+                torch.full(shape, self.pad_token_id, dtype=torch.long, device=self.device),
+                torch.full(shape, self.position_offset, dtype=torch.long, device=self.device),
+            )
+            self._states[bucket] = state
+        return state
+
+    def _bucketed(
+        self,
+        state: _BucketState,
+        input_ids: torch.Tensor,
+        position_ids: torch.Tensor,
+        lengths: tuple[int, ...],
+    ) -> torch.Tensor:
+        tokens = sum(lengths)
+        state.input_ids[:, :tokens].copy_(input_ids)
+        state.input_ids[:, tokens:].fill_(self.pad_token_id)
+        state.position_ids[:, :tokens].copy_(position_ids)
+        state.position_ids[:, tokens:].fill_(self.position_offset)
+        state.lengths = lengths
+        state.params = FMHAParams.from_lengths(
+            lengths, device=self.device, padded_rows=state.bucket.max_tokens
+        )
+        if self.plans == "eager":
+            state.plans.clear()  # per-batch plans: made again by the first layer of each spec
+        else:
+            for _, plan, _ in state.plans.values():
+                assert isinstance(plan, GraphPlan)
+                plan.update(state.params)
+        if not self.capture:
+            self.stats.bucketed += 1
+            return self._run(state)[:, :tokens]
+        if state.graph is None:
+            self._capture_graph(state)
+        assert state.graph is not None and state.output is not None
+        state.graph.replay()
+        self.stats.replays += 1
+        return state.output[:, :tokens].clone()
+
+    def _run(self, state: _BucketState) -> torch.Tensor:
+        _active.runner, _active.state = self, state
+        try:
+            return self._forward(input_ids=state.input_ids, position_ids=state.position_ids)
+        finally:
+            _active.runner, _active.state = None, None
+
+    def _capture_graph(self, state: _BucketState) -> None:
+        """Warm up on a side stream (the plans are made there), then capture the forward."""
+        current = torch.cuda.current_stream(self.device)
+        side = torch.cuda.Stream(self.device)  # type: ignore[no-untyped-call]
+        side.wait_stream(current)
+        with torch.cuda.stream(side):
+            for _ in range(max(self.warmup, 1)):
+                self._run(state)
+        current.wait_stream(side)
+        if self._pool is None:
+            self._pool = torch.cuda.graph_pool_handle()
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, pool=self._pool):
+            state.output = self._run(state)
+        state.graph = graph
+        self.stats.captures += 1
+
+    def _plan(
+        self, state: _BucketState, spec: AttentionSpec
+    ) -> tuple[Any, object, torch.Tensor | None]:
+        found = state.plans.get(spec)
+        if found is not None:
+            return found
+        if state.graph is not None:
+            raise IntegrationError(
+                f"a layer asked for attention spec {spec} after the bucket "
+                f"{state.bucket.to_dict()} was captured; the model changed under its graph"
+            )
+        params = state.params
+        assert params is not None
+        graph = self.plans == "graph"
+        backend = select(
+            spec,
+            device=self.device,
+            backend=self.backend,
+            platform=self.platform,
+            cuda_graph=graph,
+        ).backend
+        qkv: torch.Tensor | None = None
+        if graph:
+            if not isinstance(backend, CudaGraphPrefill):
+                raise GraphModeError(
+                    f"{backend.name} was selected with cuda_graph=True but has no graph mode",
+                    [(backend.name, [])],
+                )
+            plan: object = backend.prepare_graph(state.bucket, device=self.device)
+            assert isinstance(plan, GraphPlan)
+            plan.update(params)
+            # Graph mode reads one fixed packed buffer: [max_tokens, (Hq + 2 Hkv) * D].
+            qkv = torch.zeros(
+                state.bucket.max_tokens, spec.qkv_width, dtype=spec.dtype, device=self.device
+            )
+        else:
+            padded = [n for n in slot_lengths(state.bucket, state.lengths) if n > 0]
+            plan = backend.prepare(FMHAParams.from_lengths(padded, device=self.device))
+        state.plans[spec] = (backend, plan, qkv)
+        return backend, plan, qkv
+
+    def _attend(
+        self,
+        state: _BucketState,
+        module: torch.nn.Module,
+        query: torch.Tensor,
+        key: torch.Tensor,
+        value: torch.Tensor,
+        dropout: float,
+        scaling: float | None,
+        is_causal: bool | None,
+        kwargs: dict[str, Any],
+    ) -> tuple[torch.Tensor, None]:
+        _refuse_unsupported_call(module, query, key, value, dropout, kwargs)
+        spec = _spec_for(module, query, key, scaling, is_causal, kwargs)
+        backend, plan, qkv = self._plan(state, spec)
+        if qkv is None:
+            out = backend.forward((_rows(query), _rows(key), _rows(value)), plan)
+        else:
+            rows, q_width, kv_width = qkv.shape[0], spec.q_width, spec.kv_width
+            qkv[:, :q_width].view(rows, spec.num_heads, spec.head_dim).copy_(
+                query[0].transpose(0, 1)
+            )
+            for start, x in ((q_width, key), (q_width + kv_width, value)):
+                part = qkv[:, start : start + kv_width]
+                part.view(rows, spec.num_kv_heads, spec.head_dim).copy_(x[0].transpose(0, 1))
+            out = backend.forward(qkv, plan)
+        seq = query.shape[2]
+        return out.view(1, seq, spec.num_heads, spec.head_dim), None

@@ -1,0 +1,452 @@
+"""Serving embeddings: sentence-transformers padded vs packed, compiled buckets, graph runner.
+
+Workloads: documents (64 texts of 16..512 tokens) and query batches (1, 8 and 32 queries of
+8..40 tokens) through BGE-M3-, Qwen3-Embedding-0.6B-, ModernBERT- and EmbeddingGemma-sized
+models with random weights (configs below, tokenizer built here: nothing is downloaded).
+
+Paths, each checked against the first before it is timed (min cosine of the embeddings):
+
+- ``st-padded-sdpa``: ``SentenceTransformer.encode`` on HF sdpa, the batches it really builds
+  (sorted by length, padded to the longest): the padding they hold is reported;
+- ``st-packed``: `attn_backends.integrations.sentence_transformers.load` (packed, this library);
+- ``st-packed-graphs``: sentence-transformers' tokenisation and pooling around `GraphRunner`
+  (query batches only: one CUDA graph per bucket; on CPU eager bucketing);
+- ``compile-padded-buckets``: ``torch.compile(model, mode="reduce-overhead")`` on HF sdpa with
+  the batch padded to a bucket (rows and length rounded up to powers of two), CUDA only;
+- ``st-flash-packed``: sentence-transformers' own packed path on ``flash_attention_2``, when
+  ``flash_attn`` is importable.
+
+Per path: tokens/s (valid tokens over the median batch latency) and p50/p99 latency per batch
+(one ``encode`` call of the whole workload, ``batch_size`` = its size). ``--dry`` runs tiny
+models on short texts in seconds on CPU.
+
+    python3 benchmarks/serving_bench.py --out OUT [--models bge-m3,qwen3] [--repeats 30]
+    python3 benchmarks/serving_bench.py --dry
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import json
+import math
+import random
+import statistics
+import sys
+import tempfile
+import time
+from collections.abc import Callable
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+
+VOCAB_WORDS = 2000
+SPECIALS = ("<pad>", "<unk>", "<cls>", "<sep>")
+
+
+@dataclass(frozen=True)
+class ModelCase:
+    config: Callable[[bool], Any]
+    """``dry`` -> a transformers config."""
+    pooling: str
+    position_offset: int = 0
+    padding_side: str = "right"
+
+
+def _cases() -> dict[str, ModelCase]:
+    import transformers as t
+
+    vocab = VOCAB_WORDS + len(SPECIALS)
+
+    def sized(dry: bool, full: dict[str, Any], tiny: dict[str, Any]) -> dict[str, Any]:
+        return {"vocab_size": vocab, **(tiny if dry else full)}
+
+    tiny = {"hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2}
+    return {
+        "bge-m3": ModelCase(
+            lambda dry: t.XLMRobertaConfig(
+                **sized(
+                    dry,
+                    {"hidden_size": 1024, "intermediate_size": 4096, "num_hidden_layers": 24},
+                    tiny,
+                ),
+                num_attention_heads=16 if not dry else 4,
+                max_position_embeddings=8194,
+                pad_token_id=0,
+            ),
+            "cls",
+            position_offset=1,
+        ),
+        "qwen3": ModelCase(
+            lambda dry: t.Qwen3Config(
+                **sized(
+                    dry,
+                    {"hidden_size": 1024, "intermediate_size": 3072, "num_hidden_layers": 28},
+                    tiny,
+                ),
+                num_attention_heads=16 if not dry else 4,
+                num_key_value_heads=8 if not dry else 2,
+                head_dim=128 if not dry else 16,
+                use_cache=False,
+                pad_token_id=0,
+            ),
+            "lasttoken",
+            padding_side="left",
+        ),
+        "modernbert": ModelCase(
+            lambda dry: t.ModernBertConfig(
+                **sized(
+                    dry,
+                    {"hidden_size": 768, "intermediate_size": 1152, "num_hidden_layers": 22},
+                    tiny,
+                ),
+                num_attention_heads=12 if not dry else 4,
+                local_attention=128 if not dry else 8,
+                global_attn_every_n_layers=3 if not dry else 2,
+                pad_token_id=0,
+                cls_token_id=2,
+                sep_token_id=3,
+                bos_token_id=2,
+                eos_token_id=3,
+            ),
+            "mean",
+        ),
+        "embeddinggemma": ModelCase(
+            lambda dry: t.Gemma3TextConfig(
+                **sized(
+                    dry,
+                    {"hidden_size": 768, "intermediate_size": 1152, "num_hidden_layers": 24},
+                    tiny,
+                ),
+                num_attention_heads=3 if not dry else 4,
+                num_key_value_heads=1,
+                head_dim=256 if not dry else 16,
+                sliding_window=512 if not dry else 8,
+                layer_types=(
+                    ["sliding_attention"] * 5 + ["full_attention"]
+                    if not dry
+                    else ["sliding_attention", "full_attention"]
+                )
+                * (4 if not dry else 1),
+                use_bidirectional_attention=True,
+                use_cache=False,
+                pad_token_id=0,
+            ),
+            "mean",
+        ),
+    }
+
+
+def _tokenizer(case: ModelCase, max_length: int) -> Any:
+    from tokenizers import Tokenizer, models, pre_tokenizers, processors
+    from transformers import PreTrainedTokenizerFast
+
+    ids = {t: i for i, t in enumerate((*SPECIALS, *[f"w{i}" for i in range(VOCAB_WORDS)]))}
+    tok = Tokenizer(models.WordLevel(ids, unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    tok.post_processor = processors.TemplateProcessing(
+        single="<cls> $A <sep>",
+        pair="<cls> $A <sep> $B <sep>",
+        special_tokens=[("<cls>", 2), ("<sep>", 3)],
+    )
+    return PreTrainedTokenizerFast(
+        tokenizer_object=tok,
+        pad_token="<pad>",
+        unk_token="<unk>",
+        model_max_length=max_length,
+        padding_side=case.padding_side,
+    )
+
+
+def build_model(name: str, case: ModelCase, root: Path, dry: bool, max_length: int) -> Path:
+    """Save a random-weight HF model, its tokenizer and a sentence-transformers model; return
+    the sentence-transformers directory."""
+    import transformers
+    from sentence_transformers import SentenceTransformer
+    from sentence_transformers.base.modules.transformer import Transformer
+    from sentence_transformers.sentence_transformer.modules import Normalize, Pooling
+
+    hf, st = root / f"{name}-hf", root / f"{name}-st"
+    config = case.config(dry)
+    torch.manual_seed(0)
+    transformers.AutoModel.from_config(config).save_pretrained(hf)
+    _tokenizer(case, max_length).save_pretrained(hf)
+    model = SentenceTransformer(
+        modules=[Transformer(str(hf)), Pooling(config.hidden_size, case.pooling), Normalize()]
+    )
+    model.save(str(st))
+    return st
+
+
+def texts(count: int, low: int, high: int, seed: int) -> list[str]:
+    """``count`` texts of ``low..high`` tokens each (two of them are the special tokens)."""
+    rng = random.Random(seed)
+    return [
+        " ".join(f"w{rng.randrange(VOCAB_WORDS)}" for _ in range(rng.randint(low, high) - 2))
+        for _ in range(count)
+    ]
+
+
+@dataclass
+class PathResult:
+    path: str
+    status: str = "ok"
+    min_cosine: float | None = None
+    tokens: int = 0
+    padded_tokens: int | None = None
+    p50_ms: float | None = None
+    p99_ms: float | None = None
+    tokens_per_s: float | None = None
+    extra: dict[str, Any] = field(default_factory=dict)
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def _time(fn: Callable[[], torch.Tensor], repeats: int, device: torch.device) -> list[float]:
+    fn()
+    fn()  # warm-up (and, for graph paths, capture)
+    times = []
+    for _ in range(repeats):
+        _sync(device)
+        start = time.perf_counter()
+        fn()
+        _sync(device)
+        times.append((time.perf_counter() - start) * 1e3)
+    return times
+
+
+def _percentile(values: list[float], q: float) -> float:
+    ordered = sorted(values)
+    return ordered[min(len(ordered) - 1, math.ceil(q * len(ordered)) - 1)]
+
+
+class Paths:
+    """The paths of one model, built once and reused by every workload."""
+
+    def __init__(self, st_dir: Path, case: ModelCase, device: torch.device, dry: bool) -> None:
+        from sentence_transformers import SentenceTransformer
+
+        from attn_backends.integrations import sentence_transformers as abst
+
+        self.device = device
+        self.case = case
+        kw: dict[str, Any] = {"device": str(device)}
+        dtype = torch.float32 if device.type == "cpu" else torch.bfloat16
+        self.dtype = dtype
+        self.padded = SentenceTransformer(
+            str(st_dir), model_kwargs={"attn_implementation": "sdpa", "dtype": dtype}, **kw
+        )
+        self.packed = abst.load(str(st_dir), model_kwargs={"dtype": dtype}, **kw)
+        self.st_dir = st_dir
+        self.dry = dry
+        self._runner: Any = None
+        self._compiled: Any = None
+        self._flash: Any = None
+        self.cells: list[tuple[int, int]] = []
+        embed = self.padded[0].model.get_input_embeddings()
+        embed.register_forward_hook(lambda m, args, out: self.cells.append(tuple(args[0].shape)))
+
+    def runner(self) -> Any:
+        from attn_backends import GraphBucket
+        from attn_backends.integrations.graph_runner import GraphRunner
+
+        if self._runner is None:
+            hf = self.packed[0].model
+            buckets = [
+                GraphBucket(max_tokens=t, max_batch=b) for t, b in ((64, 4), (512, 16), (1536, 32))
+            ]
+            self._runner = GraphRunner(
+                hf, buckets, position_offset=self.packed[0]._flatten_position_offset
+            )
+        return self._runner
+
+    def encode_runner(self, batch: list[str]) -> torch.Tensor:
+        """sentence-transformers' tokenisation (flattened) and pooling around the runner."""
+        model = self.packed
+        features = model[0].preprocess(batch)
+        hidden = self.runner()(
+            features["input_ids"].to(self.device),
+            features["cu_seq_lens_q"].tolist(),
+            features["position_ids"].to(self.device),
+        )
+        features = {
+            "token_embeddings": hidden,
+            "cu_seq_lens_q": features["cu_seq_lens_q"].to(self.device),
+        }
+        for module in list(model)[1:]:
+            features = module(features)
+        return features["sentence_embedding"]  # type: ignore[no-any-return]
+
+    def encode_compiled(self, batch: list[str]) -> torch.Tensor:
+        """HF sdpa under ``torch.compile(mode="reduce-overhead")`` on a padded bucket."""
+        model = self.padded
+        if self._compiled is None:
+            self._compiled = torch.compile(model[0].model, mode="reduce-overhead")
+        tok = model.tokenizer
+        enc = tok(batch, truncation=True)
+        rows = 1 << max(0, math.ceil(math.log2(len(batch))))
+        length = 1 << math.ceil(math.log2(max(len(x) for x in enc["input_ids"])))
+        enc = tok.pad(enc, padding="max_length", max_length=length, return_tensors="pt")
+        ids = torch.full((rows, length), tok.pad_token_id, dtype=torch.long)
+        mask = torch.zeros(rows, length, dtype=torch.long)
+        ids[: len(batch)], mask[: len(batch)] = enc["input_ids"], enc["attention_mask"]
+        ids, mask = ids.to(self.device), mask.to(self.device)
+        hidden = self._compiled(input_ids=ids, attention_mask=mask).last_hidden_state.clone()
+        features = {"token_embeddings": hidden[: len(batch)], "attention_mask": mask[: len(batch)]}
+        for module in list(model)[1:]:
+            features = module(features)
+        return features["sentence_embedding"]  # type: ignore[no-any-return]
+
+    def flash(self) -> Any:
+        from sentence_transformers import SentenceTransformer
+
+        if self._flash is None:
+            self._flash = SentenceTransformer(
+                str(self.st_dir),
+                model_kwargs={"attn_implementation": "flash_attention_2", "dtype": self.dtype},
+                device=str(self.device),
+            )
+        return self._flash
+
+
+def run_workload(paths: Paths, batch: list[str], queries: bool, repeats: int) -> list[PathResult]:
+    device = paths.device
+    size = len(batch)
+
+    def st(model: Any) -> Callable[[], torch.Tensor]:
+        return lambda: model.encode(batch, batch_size=size, convert_to_tensor=True)
+
+    candidates: list[tuple[str, Callable[[], torch.Tensor] | None, str]] = [
+        ("st-padded-sdpa", st(paths.padded), ""),
+        ("st-packed", st(paths.packed), ""),
+        (
+            "st-packed-graphs",
+            (lambda: paths.encode_runner(batch)) if queries else None,
+            "queries only",
+        ),
+        (
+            "compile-padded-buckets",
+            (lambda: paths.encode_compiled(batch)) if device.type == "cuda" else None,
+            "needs CUDA (reduce-overhead captures CUDA graphs)",
+        ),
+        (
+            "st-flash-packed",
+            (lambda: st(paths.flash())())
+            if device.type == "cuda" and importlib.util.find_spec("flash_attn") is not None
+            else None,
+            "flash_attn not importable",
+        ),
+    ]
+    tokens = sum(len(x) for x in paths.padded.tokenizer(batch, truncation=True)["input_ids"])
+    results: list[PathResult] = []
+    reference: torch.Tensor | None = None
+    tolerance = 0.9999 if paths.dtype == torch.float32 else 0.99
+    for name, fn, why in candidates:
+        result = PathResult(name, tokens=tokens)
+        results.append(result)
+        if fn is None:
+            result.status = f"skipped: {why}"
+            continue
+        try:
+            paths.cells.clear()
+            got = fn().float()
+            if name == "st-padded-sdpa":
+                reference = got
+                result.padded_tokens = sum(r * s for r, s in paths.cells)
+            assert reference is not None
+            result.min_cosine = float(torch.nn.functional.cosine_similarity(got, reference).min())
+            if result.min_cosine < tolerance:
+                result.status = f"wrong output: min cosine {result.min_cosine:.6f}"
+                continue
+            times = _time(fn, repeats, device)
+        except Exception as exc:  # a path that fails is reported, the others still run
+            result.status = f"failed: {type(exc).__name__}: {str(exc)[:200]}"
+            continue
+        result.p50_ms = statistics.median(times)
+        result.p99_ms = _percentile(times, 0.99)
+        result.tokens_per_s = tokens / (result.p50_ms / 1e3)
+        if name == "st-packed-graphs":
+            stats = paths.runner().stats
+            result.extra = {
+                "captures": stats.captures,
+                "replays": stats.replays,
+                "bucketed": stats.bucketed,
+                "eager": stats.eager,
+            }
+    return results
+
+
+def workloads(dry: bool) -> dict[str, list[str]]:
+    if dry:
+        return {"documents 8 x 6..32": texts(8, 6, 32, 0), "queries 3 x 4..10": texts(3, 4, 10, 1)}
+    found = {"documents 64 x 16..512": texts(64, 16, 512, 0)}
+    for n in (1, 8, 32):
+        found[f"queries {n} x 8..40"] = texts(n, 8, 40, n)
+    return found
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--out", type=Path, help="directory for serving_bench.json/.md")
+    parser.add_argument("--models", default="bge-m3,qwen3,modernbert,embeddinggemma")
+    parser.add_argument("--repeats", type=int, default=30)
+    parser.add_argument("--dry", action="store_true", help="tiny models on CPU, in seconds")
+    parser.add_argument("--device", default=None)
+    args = parser.parse_args(argv)
+    device = torch.device(
+        args.device or ("cuda" if torch.cuda.is_available() and not args.dry else "cpu")
+    )
+    repeats = 2 if args.dry else args.repeats
+    cases = _cases()
+    names = args.models.split(",")
+    unknown = [n for n in names if n not in cases]
+    if unknown:
+        parser.error(f"unknown models {unknown}; choose from {sorted(cases)}")
+    report: list[dict[str, Any]] = []
+    with tempfile.TemporaryDirectory() as tmp:
+        for name in names:
+            st_dir = build_model(name, cases[name], Path(tmp), args.dry, 64 if args.dry else 8192)
+            paths = Paths(st_dir, cases[name], device, args.dry)
+            for workload, batch in workloads(args.dry).items():
+                queries = workload.startswith("queries")
+                for result in run_workload(paths, batch, queries, repeats):
+                    report.append({"model": name, "workload": workload, **asdict(result)})
+    table = _markdown(report, device)
+    print(table)
+    if args.out is not None:
+        args.out.mkdir(parents=True, exist_ok=True)
+        (args.out / "serving_bench.json").write_text(json.dumps(report, indent=1))
+        (args.out / "serving_bench.md").write_text(table)
+    wrong = [r for r in report if r["status"].startswith(("wrong", "failed"))]
+    return 1 if wrong else 0
+
+
+def _markdown(report: list[dict[str, Any]], device: torch.device) -> str:
+    lines = [
+        f"device: {torch.cuda.get_device_name(device) if device.type == 'cuda' else 'cpu'}",
+        "",
+        "| model | workload | path | tokens (valid/padded) | tokens/s | p50 ms | p99 ms "
+        "| min cos | status |",
+        "|---|---|---|---|---:|---:|---:|---:|---|",
+    ]
+
+    def num(x: float | None, fmt: str) -> str:
+        return "" if x is None else format(x, fmt)
+
+    for r in report:
+        cells = f"{r['tokens']}" + (f" / {r['padded_tokens']}" if r["padded_tokens"] else "")
+        lines.append(
+            f"| {r['model']} | {r['workload']} | {r['path']} | {cells} | "
+            f"{num(r['tokens_per_s'], ',.0f')} | {num(r['p50_ms'], '.2f')} | "
+            f"{num(r['p99_ms'], '.2f')} | {num(r['min_cosine'], '.6f')} | {r['status']} |"
+        )
+    return "\n".join(lines) + "\n"
+
+
+if __name__ == "__main__":
+    sys.exit(main())

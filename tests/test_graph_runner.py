@@ -1,0 +1,196 @@
+"""The whole-model graph runner on CPU: bucketing, static buffers, eager fallback, numbers.
+
+Capture and replay need a GPU (``tests/gpu/test_graph_runner_gpu.py``). Here the runner does
+everything else on the same code path: it picks the smallest bucket, copies the batch into the
+bucket's static buffers (padding rows filled), plans the bucket's padded sequence list, runs
+the model with the runner's attention, and returns the batch's rows. With a fake flashinfer it
+also runs on real graph plans (``prepare_graph`` once per bucket and spec, ``update`` per
+batch). Every output is compared with the same weights run on each sequence alone with HF's
+own sdpa attention.
+"""
+
+from __future__ import annotations
+
+import copy
+import itertools
+
+import pytest
+import torch
+from attn_backends_builtin import flashinfer as flashinfer_plugin
+
+import attn_backends as ab
+from attn_backends.integrations import transformers as abt
+from attn_backends.integrations.graph_runner import GraphRunner
+from tests.fakes.fake_flashinfer import install
+
+transformers = pytest.importorskip("transformers")
+
+VOCAB = 97
+SMALL = ab.GraphBucket(max_tokens=32, max_batch=4)
+LARGE = ab.GraphBucket(max_tokens=96, max_batch=8, max_seqlen=40)
+SM90 = ab.Platform(kind="cuda", arch="sm90", libraries=(("flashinfer", "fake"),))
+
+
+def _config(kind: str, **extra):
+    t = transformers
+    common = {
+        "vocab_size": VOCAB,
+        "hidden_size": 64,
+        "intermediate_size": 128,
+        "num_hidden_layers": 2,
+        "num_attention_heads": 4,
+    }
+    common |= extra
+    if kind == "bert":
+        return t.BertConfig(**common, max_position_embeddings=128)
+    if kind == "xlmr":
+        return t.XLMRobertaConfig(**common, max_position_embeddings=128, pad_token_id=1)
+    return t.Qwen3Config(**common, num_key_value_heads=2, head_dim=16, use_cache=False)
+
+
+def _models(kind: str, dtype=torch.float32, **extra):
+    """The same seeded weights twice: through the integration, and on HF's sdpa."""
+    config = _config(kind, **extra)
+    torch.manual_seed(0)
+    ours = transformers.AutoModel.from_config(
+        copy.deepcopy(config), attn_implementation=abt.register(), dtype=dtype
+    ).eval()
+    ref = transformers.AutoModel.from_config(
+        copy.deepcopy(config), attn_implementation="sdpa", dtype=dtype
+    )
+    ref.load_state_dict(ours.state_dict())
+    return ours, ref.eval()
+
+
+def _batch(lengths, seed):
+    gen = torch.Generator().manual_seed(seed)
+    seqs = [torch.randint(3, VOCAB, (n,), generator=gen) for n in lengths]
+    cu = [0, *itertools.accumulate(lengths)]
+    return seqs, torch.cat(seqs)[None], cu
+
+
+def _reference(ref, seqs, offset=0):
+    """Each sequence alone through HF's sdpa path, positions from ``offset``."""
+    with torch.inference_mode():
+        return [
+            ref(
+                input_ids=s[None], position_ids=torch.arange(len(s))[None] + offset
+            ).last_hidden_state[0]
+            for s in seqs
+        ]
+
+
+def _check(out, seqs, cu, expected, tol):
+    assert out.shape[:2] == (1, cu[-1])
+    for (a, b), want in zip(itertools.pairwise(cu), expected, strict=True):
+        err = ab.relative_error(out[0, a:b].float(), want.float())
+        assert err < tol, f"sequence of {b - a} tokens: {err:.3g}"
+
+
+def test_buckets_are_chosen_smallest_first_and_misfits_run_eagerly():
+    model, _ = _models("bert")
+    runner = GraphRunner(model, [LARGE, SMALL])
+    assert runner.buckets == (SMALL, LARGE)
+    assert runner.bucket_for([5, 9]) is SMALL
+    assert runner.bucket_for([32]) is SMALL
+    assert runner.bucket_for([1] * 5) is LARGE, "five sequences > SMALL's max_batch"
+    assert runner.bucket_for([33]) is LARGE
+    assert runner.bucket_for([41]) is None, "longer than LARGE's max_seqlen"
+    assert runner.bucket_for([40, 40, 17]) is None, "97 tokens > 96"
+    assert runner.bucket_for([1] * 9) is None
+
+
+@pytest.mark.parametrize(("kind", "offset"), [("bert", 0), ("xlmr", 2), ("qwen3", 0)])
+def test_bucketed_batches_equal_each_sequence_alone(kind, offset):
+    model, ref = _models(kind)
+    runner = GraphRunner(model, [SMALL, LARGE], position_offset=offset)
+    batches = [(5, 9, 1), (32,), (3, 7, 11, 2, 20), (40, 40, 17), (13, 2)]
+    for seed, lengths in enumerate(batches):
+        seqs, ids, cu = _batch(lengths, seed)
+        out = runner(ids, cu)
+        _check(out, seqs, cu, _reference(ref, seqs, offset), 1e-5)
+    assert runner.stats.buckets == [SMALL, SMALL, LARGE, None, SMALL]
+    assert (runner.stats.eager, runner.stats.bucketed, runner.stats.captures) == (1, 4, 0)
+
+
+def test_static_buffers_are_reused_and_are_what_the_model_reads():
+    model, _ = _models("bert")
+    runner = GraphRunner(model, [SMALL], pad_token_id=7)
+    seen: list[int] = []
+    model.embeddings.register_forward_pre_hook(
+        lambda m, args, kwargs: seen.append(kwargs["input_ids"].data_ptr()), with_kwargs=True
+    )
+    ids_buf, pos_buf = runner.buffers(SMALL)
+    for seed, lengths in enumerate([(5, 9), (1, 2, 3), (30,)]):
+        _, ids, cu = _batch(lengths, seed)
+        runner(ids, cu)
+        assert runner.buffers(SMALL) == (ids_buf, pos_buf)
+        tokens = cu[-1]
+        assert torch.equal(ids_buf[0, :tokens], ids[0])
+        assert bool((ids_buf[0, tokens:] == 7).all()), "padding rows hold the pad token"
+        assert pos_buf[0, :tokens].tolist() == [i for n in lengths for i in range(n)], (
+            "positions restart per sequence"
+        )
+    # the first batch also runs once through the integration (its checks), then bucketed
+    assert seen[1:] == [ids_buf.data_ptr()] * 3
+
+
+def test_padding_rows_never_reach_the_output():
+    """Two runners whose padding rows hold different tokens give the same valid rows."""
+    model, _ = _models("qwen3")
+    _seqs, ids, cu = _batch((4, 10, 3), 1)
+    a = GraphRunner(model, [SMALL], pad_token_id=0)(ids, cu)
+    b = GraphRunner(model, [SMALL], pad_token_id=50)(ids, cu)
+    assert torch.equal(a, b)
+
+
+def test_a_model_on_another_attention_is_refused():
+    _, ref = _models("bert")
+    with pytest.raises(ab.IntegrationError, match="attn_implementation='sdpa'"):
+        GraphRunner(ref, [SMALL])
+
+
+def test_the_model_keeps_working_outside_the_runner():
+    model, ref = _models("bert")
+    runner = GraphRunner(model, [SMALL])
+    assert runner.attn_implementation == "attn_backends_graphs"
+    seqs, ids, cu = _batch((6, 4), 3)
+    runner(ids, cu)
+    packed = abt.pack_sequences([s.tolist() for s in seqs])
+    with torch.inference_mode():
+        out = model(**packed).last_hidden_state
+    _check(out, seqs, cu, _reference(ref, seqs), 1e-5)
+
+
+def test_malformed_batches_are_refused():
+    model, _ = _models("bert")
+    runner = GraphRunner(model, [SMALL])
+    _, ids, _cu = _batch((5, 9), 0)
+    for bad in ([0, 5], [0, 5, 5, 14], [1, 14]):
+        with pytest.raises(ab.IntegrationError, match="one packed row"):
+            runner(ids, bad)
+    with pytest.raises(ab.ParamsError, match="capture needs graph plans"):
+        GraphRunner(model, [SMALL], capture=True)
+
+
+def test_graph_plans_are_made_once_per_bucket_and_updated_per_batch(monkeypatch):
+    """On a fake flashinfer (CPU): ``prepare_graph`` once per bucket and spec, ``plan`` per
+    batch on the same wrapper, and the numbers still those of each sequence alone."""
+    monkeypatch.setattr(flashinfer_plugin, "device_sm", lambda device: 90)
+    fake = install(monkeypatch)
+    model, ref = _models("bert", dtype=torch.bfloat16, num_attention_heads=1)  # head_dim 64
+    runner = GraphRunner(model, [SMALL, LARGE], plans="graph", platform=SM90, backend="flashinfer")
+    assert not runner.capture
+    batches = [(5, 9, 1), (30,), (3, 7, 11, 2, 20), (2, 2)]
+    for seed, lengths in enumerate(batches):
+        seqs, ids, cu = _batch(lengths, seed)
+        out = runner(ids, cu)
+        _check(out, seqs, cu, _reference(ref, seqs), 2e-2)
+    init = fake.named("BatchPrefillWithRaggedKVCacheWrapper.__init__")
+    graph_inits = [c for c in init if c.args["use_cuda_graph"]]
+    assert len(graph_inits) == 2, "one graph wrapper per bucket (one spec)"
+    state = runner._states[SMALL]
+    ((_, plan, qkv),) = state.plans.values()
+    assert qkv is not None and qkv.shape == (SMALL.max_tokens, 3 * 64), "one packed buffer"
+    assert isinstance(plan, ab.GraphPlan)
+    assert plan.params is not None and plan.params.input_lengths == (2, 2)

@@ -1,0 +1,36 @@
+"""The serving benchmark's dry mode runs on CPU, checks every path's output first, and reports
+the padding sentence-transformers' own batches hold."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import sys
+from pathlib import Path
+
+import pytest
+
+pytest.importorskip("sentence_transformers")
+
+SCRIPT = Path(__file__).resolve().parents[1] / "benchmarks" / "serving_bench.py"
+
+
+def test_dry_mode_runs_and_checks_outputs(tmp_path):
+    spec = importlib.util.spec_from_file_location("serving_bench", SCRIPT)
+    assert spec is not None and spec.loader is not None
+    bench = importlib.util.module_from_spec(spec)
+    sys.modules["serving_bench"] = bench  # dataclasses look their module up by name
+    spec.loader.exec_module(bench)
+    assert bench.main(["--dry", "--models", "bge-m3", "--out", str(tmp_path)]) == 0
+    report = json.loads((tmp_path / "serving_bench.json").read_text())
+    by_path = {(r["workload"].split()[0], r["path"]): r for r in report}
+    for kind in ("documents", "queries"):
+        padded, packed = by_path[(kind, "st-padded-sdpa")], by_path[(kind, "st-packed")]
+        assert padded["status"] == packed["status"] == "ok"
+        assert packed["min_cosine"] > 0.9999 and packed["tokens_per_s"] > 0
+        assert padded["padded_tokens"] > padded["tokens"], "sorted batches still hold padding"
+    graphs = by_path[("queries", "st-packed-graphs")]
+    assert graphs["status"] == "ok"
+    assert graphs["extra"]["bucketed"] > 0 and graphs["extra"]["eager"] == 0, "CPU: no capture"
+    assert by_path[("documents", "st-packed-graphs")]["status"].startswith("skipped")
+    assert "| st-packed |" in (tmp_path / "serving_bench.md").read_text()
