@@ -45,6 +45,7 @@ from ._errors import (
 )
 from ._feature_table import (
     AlibiSupport,
+    ChunkSupport,
     FeatureSupport,
     Fp8Support,
     HeadwiseSupport,
@@ -112,6 +113,7 @@ __all__ = [
     "CanaryResult",
     "Candidate",
     "Capabilities",
+    "ChunkSupport",
     "CudaGraphPrefill",
     "FMHAParams",
     "FeatureNotSupportedError",

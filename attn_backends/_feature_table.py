@@ -32,6 +32,7 @@ from ._dtypes import dtype_name
 from ._errors import SpecError
 from ._features import (
     MAX_ALIBI_SLOPE,
+    MAX_CHUNK_SIZE,
     MAX_WINDOW,
     SOFTCAP_RANGE,
     AlibiSpec,
@@ -41,6 +42,7 @@ from ._features import (
     bounded_number,
     same_slopes,
 )
+from ._numbers import shown
 from ._reasons import Reason, ReasonCode
 
 if TYPE_CHECKING:
@@ -98,6 +100,13 @@ class HeadwiseSupport(FeatureSupport):
 
 
 @dataclass(frozen=True)
+class ChunkSupport(FeatureSupport):
+    """Serves chunked attention (``spec.chunk_size``)."""
+
+    feature: ClassVar[str] = "chunk"
+
+
+@dataclass(frozen=True)
 class MlaSupport(FeatureSupport):
     """Serves MLA attention (``spec.use_mla``)."""
 
@@ -143,8 +152,8 @@ class RefusalSketch:
 
 
 FEATURE_LENGTHS = (5, 17, 1, 32, 8)
-"""Varlen batch for windows: windows of 8 are smaller than 17 and 32, equal to 8, larger than
-5 and 1."""
+"""Varlen batch for windows and chunks: windows (and chunks) of 8 are smaller than 17 and 32,
+equal to 8, larger than 5 and 1."""
 
 S = TypeVar("S", bound=FeatureSupport)
 
@@ -805,6 +814,91 @@ class RopeScalingFeature(Feature[FeatureSupport]):
         return out
 
 
+class ChunkFeature(Feature[ChunkSupport]):
+    """Chunked attention: positions fall into aligned chunks of ``chunk_size`` (``0 ..
+    c - 1``, ``c .. 2c - 1``, ...; positions restart with every sequence) and a query sees
+    keys of its own chunk only, on top of every other mask term (Llama 4's
+    ``attention_chunk_size`` on its causal layers)."""
+
+    name = "chunk"
+    code = ReasonCode.CHUNKED
+    support = ChunkSupport
+    title = "chunked attention"
+    field = "chunk_size"
+
+    def used(self, spec: AttentionSpec) -> bool:
+        return spec.chunk_size is not None
+
+    def validate(self, spec: AttentionSpec) -> None:
+        chunk = spec.chunk_size
+        if chunk is None:
+            return
+        if (
+            isinstance(chunk, bool)
+            or not isinstance(chunk, int)
+            or not 1 <= chunk <= MAX_CHUNK_SIZE
+        ):
+            raise SpecError(
+                f"AttentionSpec.chunk_size must be an int from 1 to {MAX_CHUNK_SIZE} (2**31 - 1, "
+                "the int32 range of kernel positions; Llama 4: 8192), or None for no chunks; "
+                f"got {shown(chunk)}"
+            )
+
+    def record(self, spec: AttentionSpec) -> dict[str, object]:
+        # Listed only when set: every spec without chunks keeps its fingerprint.
+        return {} if spec.chunk_size is None else {"chunk_size": spec.chunk_size}
+
+    def explain(self, spec: AttentionSpec) -> str | None:
+        return f"chunk {spec.chunk_size}"
+
+    def got(self, spec: AttentionSpec) -> str:
+        return f"chunk_size={spec.chunk_size}"
+
+    def reference_visible(
+        self, spec: AttentionSpec, i: torch.Tensor, j: torch.Tensor, heads: range
+    ) -> torch.Tensor | None:
+        chunk = spec.chunk_size
+        assert chunk is not None
+        return torch.div(i, chunk, rounding_mode="floor") == torch.div(
+            j, chunk, rounding_mode="floor"
+        )
+
+    def cases(
+        self, support: ChunkSupport | None, base: AttentionSpec, masks: Sequence[bool]
+    ) -> list[CaseSketch]:
+        """Chunks that split the longer sequences at several offsets (8, 3), one token each
+        (1), the bound (2**31 - 1: one chunk), with padding rows and MHA, and with a window
+        reaching across chunk borders."""
+        out: list[CaseSketch] = []
+        for causal in masks:
+            mask = mask_name(causal)
+            for size in (8, 3, 1, MAX_CHUNK_SIZE):
+                name = "largest" if size == MAX_CHUNK_SIZE else str(size)
+                out.append(
+                    CaseSketch(
+                        f"{mask}-chunk-{name}",
+                        {"causal": causal, "chunk_size": size},
+                        FEATURE_LENGTHS,
+                    )
+                )
+            out.append(
+                CaseSketch(
+                    f"{mask}-chunk-mha-padding-strided",
+                    {"causal": causal, "num_kv_heads": base.num_heads, "chunk_size": 4},
+                    (9, 4, 13, 2),
+                    padding_rows=3,
+                    form="strided",
+                )
+            )
+        return out
+
+    def sample(self, support: ChunkSupport, causal: bool) -> dict[str, object] | None:
+        return {"chunk_size": 6}
+
+    def refusal_fields(self, base: AttentionSpec) -> dict[str, object] | None:
+        return {"chunk_size": 8}
+
+
 MLA = MlaFeature()
 HEADWISE = HeadwiseFeature()
 WINDOW = WindowFeature()
@@ -812,8 +906,18 @@ SOFTCAP = SoftcapFeature()
 ALIBI = AlibiFeature()
 FP8 = Fp8Feature()
 ROPE_SCALING = RopeScalingFeature()
+CHUNK = ChunkFeature()
 
-FEATURES: tuple[Feature[Any], ...] = (MLA, HEADWISE, WINDOW, SOFTCAP, ALIBI, FP8, ROPE_SCALING)
+FEATURES: tuple[Feature[Any], ...] = (
+    MLA,
+    HEADWISE,
+    WINDOW,
+    SOFTCAP,
+    ALIBI,
+    FP8,
+    ROPE_SCALING,
+    CHUNK,
+)
 """Every feature, in the spec's order of application (the soft-cap before ALiBi) and of
 ``explain``."""
 

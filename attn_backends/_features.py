@@ -10,7 +10,8 @@ overflow or NaN; where the math needs a bound, the constructor says it:
 
 - window sides and headwise token counts: at most `MAX_WINDOW` (2**31 - 1), the int32 range
   the kernels take (flashinfer's ``window_left``, aiter's ``window_size_*``); a window wider than
-  every sequence is the whole sequence (``window=None``);
+  every sequence is the whole sequence (``window=None``); the chunk size likewise
+  (`MAX_CHUNK_SIZE`);
 - the soft-cap: within `SOFTCAP_RANGE`, see there;
 - ALiBi slopes: from 0 to `MAX_ALIBI_SLOPE`, see there.
 """
@@ -24,6 +25,10 @@ from ._errors import SpecError
 
 MAX_WINDOW = 2**31 - 1
 """Largest window side and headwise token count: the int32 range kernels take them in."""
+
+MAX_CHUNK_SIZE = 2**31 - 1
+"""Largest ``chunk_size``: positions and the chunk are int32 in the kernels' index math; a
+chunk longer than every sequence is no chunk (``chunk_size=None``)."""
 
 SOFTCAP_RANGE = (1e-6, 1e6)
 """Smallest and largest ``logit_softcap``. Kernels compute ``cap * tanh(score / cap)`` in

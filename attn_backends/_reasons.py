@@ -23,6 +23,7 @@ class ReasonCode(enum.Enum):
     SLIDING_WINDOW = "sliding_window"
     SOFTCAP = "logit_softcap"
     ALIBI = "alibi"
+    CHUNKED = "chunked_attention"
     LIBRARY_MISSING = "library_missing"
     KV_CACHE_PRESENT = "kv_cache_present"
     DISABLED = "disabled"

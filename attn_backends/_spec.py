@@ -148,6 +148,10 @@ class AttentionSpec:
     bias, mask and softmax. ``None``: no capping."""
     alibi: AlibiSpec | None = None
     """ALiBi bias added to the (scaled, capped) scores; ``None``: no bias."""
+    chunk_size: int | None = None
+    """Chunked attention (Llama 4's ``attention_chunk_size``): the query at position ``i`` sees
+    key ``j`` only when ``i // chunk_size == j // chunk_size`` (positions restart with every
+    sequence), on top of the causal rule and every other mask term. ``None``: no chunks."""
 
     def __post_init__(self) -> None:
         _positive_int("num_heads", self.num_heads)

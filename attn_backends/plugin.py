@@ -17,6 +17,7 @@ from ._contract import AnyPlan, InputLayout, QKVViews
 from ._dtypes import dtype_name
 from ._feature_table import (
     AlibiSupport,
+    ChunkSupport,
     FeatureSupport,
     Fp8Support,
     HeadwiseSupport,
@@ -38,6 +39,7 @@ __all__ = [
     "AlibiSupport",
     "AnyPlan",
     "Capabilities",
+    "ChunkSupport",
     "FeatureSupport",
     "Fp8Support",
     "HeadwiseSupport",

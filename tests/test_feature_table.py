@@ -55,6 +55,7 @@ def test_capabilities_to_dict_lists_every_field_and_each_feature_with_its_limits
         "logit_softcap": {},
         "alibi": {"bidirectional": True, "custom_slopes": True, "with_softcap": True},
         "headwise": {},
+        "chunk": {},
     }
     assert record["head_dims"] == "any" and record["dtypes"] == ["bfloat16", "float16", "float32"]
 

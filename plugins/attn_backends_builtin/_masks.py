@@ -1,12 +1,13 @@
 """The one elementwise definition of the spec's mask and scores, for every built-in that
 evaluates them itself.
 
-`visible` is a FlexAttention ``mask_mod``: same sequence, the causal rule, the sliding window
-and the headwise sink-or-window term. `score` is a ``score_mod``: the soft-cap, then the ALiBi
-bias, on the already scaled score. Both are plain tensor expressions over the query and key
-indices, so the dense path (torch-sdpa's ``attn_mask``) is the same functions evaluated on
-broadcast ``arange``s, as flex's own ``create_mask`` does. The float64 reference
-(`attn_backends.reference_attention`) is written separately on purpose: it checks this code.
+`visible` is a FlexAttention ``mask_mod``: same sequence, the causal rule, the sliding window, the
+chunk (same ``position // chunk_size``) and the headwise sink-or-window term. `score` is a
+``score_mod``: the soft-cap, then the ALiBi bias, on the already scaled score. Both are plain tensor
+expressions over the query and key indices, so the dense path (torch-sdpa's ``attn_mask``) is the
+same functions evaluated on broadcast ``arange``s, as flex's own ``create_mask`` does. The float64
+reference (`attn_backends.reference_attention`) is written separately on purpose: it checks this
+code.
 
 Windows compare index differences (``q - k <= left``), never ``q + right``: a side up to
 2**31 - 1 (`SlidingWindow`'s bound) stays within int32 and int64 index math.
@@ -30,7 +31,7 @@ class MaskTerms:
     doc: torch.Tensor
     """The sequence each packed token belongs to."""
     pos: torch.Tensor
-    """Each token's position in its sequence (headwise sinks)."""
+    """Each token's position in its sequence (chunks, headwise sinks)."""
     windowed_token: torch.Tensor | None = None
     """Headwise: the token's sequence is long enough for the window heads' rule."""
     windowed_head: torch.Tensor | None = None
@@ -56,6 +57,7 @@ def visible(spec: AttentionSpec, terms: MaskTerms) -> MaskMod:
     """The ``mask_mod``: True where query ``q_idx`` may see key ``kv_idx`` (packed indices)."""
     causal = spec.causal
     window = spec.window
+    chunk = spec.chunk_size
     config = spec.headwise
 
     def mask(
@@ -66,6 +68,9 @@ def visible(spec: AttentionSpec, terms: MaskTerms) -> MaskMod:
             seen = seen & (kv_idx <= q_idx)
         if window is not None:
             seen = seen & (q_idx - kv_idx <= window.left) & (kv_idx - q_idx <= window.right)
+        if chunk is not None:
+            # Positions, not packed indices: chunks start again with every sequence.
+            seen = seen & (terms.pos[q_idx] // chunk == terms.pos[kv_idx] // chunk)
         if config is not None:
             assert terms.windowed_token is not None and terms.windowed_head is not None
             local = (terms.pos[kv_idx] < config.sink_token_num) | (

@@ -1,6 +1,6 @@
-"""``flex``: sliding windows (both sides), logit soft-capping, ALiBi (any slopes, causal or
-bidirectional, with or without soft-capping) and rtp-llm's headwise masks on torch
-FlexAttention, on CPU and CUDA.
+"""``flex``: sliding windows (both sides), chunked attention, logit soft-capping, ALiBi (any
+slopes, causal or bidirectional, with or without soft-capping) and rtp-llm's headwise masks on
+torch FlexAttention, on CPU and CUDA.
 
 It exists for the specs no fused kernel serves on a platform: soft-capping on CPU (Gemma 2),
 and on CUDA the windows and ALiBi forms flashinfer refuses (right-reaching windows, the
@@ -11,7 +11,8 @@ cannot express, and headwise masks, which only it serves (also under its former 
 Kernel: ``torch.nn.attention.flex_attention`` over the packed batch as one sequence. The mask
 and score functions are the built-ins' one elementwise definition (`_masks`): each token in its
 own sequence, the causal rule, the window (within a sequence, packed-index distance is position
-distance) and the headwise sink-or-window term; then the soft-cap and the ALiBi bias. flex
+distance), the chunk (by position in the sequence) and the headwise sink-or-window term; then the
+soft-cap and the ALiBi bias. flex
 multiplies ``q @ k^T`` by ``scale`` before the score function, so the score function sees the
 scaled score, exactly the order of the spec: scale, soft-cap, bias, mask, softmax. The block
 mask is built once per batch in ``prepare``; flex skips fully masked blocks, so headwise window
@@ -38,6 +39,7 @@ from attn_backends import AttentionSpec, BackendFailure, FMHAParams, Platform, P
 from attn_backends.plugin import (
     AlibiSupport,
     Capabilities,
+    ChunkSupport,
     HeadwiseSupport,
     PluginManifest,
     PrefillBackend,
@@ -84,7 +86,13 @@ class FlexBackend(PrefillBackend):
         dtypes=frozenset({torch.float32, torch.float16, torch.bfloat16}),
         min_sm=80,
         needs_contiguous=True,
-        features=(WindowSupport(), SoftcapSupport(), AlibiSupport(), HeadwiseSupport()),
+        features=(
+            WindowSupport(),
+            SoftcapSupport(),
+            AlibiSupport(),
+            HeadwiseSupport(),
+            ChunkSupport(),
+        ),
         priority=(
             PriorityRule(
                 "cpu",

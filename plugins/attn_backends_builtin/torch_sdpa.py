@@ -4,11 +4,11 @@ last resort on GPUs.
 Consecutive sequences of equal length form one ``[n, L, H, D]`` view of the packed rows, so a
 batch of equal-length sequences (BERT-style) is a single SDPA call and no gather is needed.
 
-Sliding windows and ALiBi become one explicit mask per distinct sequence length, built in
-``prepare`` (positions restart per sequence, so every sequence of a length shares it) from the
-same elementwise definition flex runs (`_masks.dense_mask`): boolean ``[L, L]`` for a window
-alone, additive ``[H, L, L]`` with ALiBi. Soft-capping acts between the two matmuls inside SDPA
-and cannot be expressed, so it is not declared.
+Sliding windows, chunks and ALiBi become one explicit mask per distinct sequence length, built in
+``prepare`` (positions restart per sequence, so every sequence of a length shares it) from the same
+elementwise definition flex runs (`_masks.dense_mask`): boolean ``[L, L]`` for a window or chunks,
+additive ``[H, L, L]`` with ALiBi. Soft-capping acts between the two matmuls inside SDPA and cannot
+be expressed, so it is not declared.
 """
 
 from __future__ import annotations
@@ -22,6 +22,7 @@ from attn_backends import AttentionSpec, BackendFailure, FMHAParams, PrefillPlan
 from attn_backends.plugin import (
     AlibiSupport,
     Capabilities,
+    ChunkSupport,
     PluginManifest,
     PrefillBackend,
     PriorityRule,
@@ -70,7 +71,7 @@ class TorchSdpaBackend(PrefillBackend):
     capabilities = Capabilities(
         platforms=frozenset({"cpu", "cuda", "rocm"}),
         dtypes=frozenset({torch.float32, torch.float16, torch.bfloat16}),
-        features=(WindowSupport(), AlibiSupport()),
+        features=(WindowSupport(), AlibiSupport(), ChunkSupport()),
         priority=(
             PriorityRule("cpu", 100, note="default on CPU"),
             PriorityRule("cuda", 0, note="last resort"),
@@ -81,7 +82,7 @@ class TorchSdpaBackend(PrefillBackend):
     def plan_kernel(self, spec: AttentionSpec, params: FMHAParams, *, fused_rope: bool) -> SdpaPlan:
         runs = _runs(params.input_lengths)
         masks: dict[int, torch.Tensor] = {}
-        if spec.window is not None or spec.alibi is not None:
+        if spec.window is not None or spec.chunk_size is not None or spec.alibi is not None:
             for length in sorted({run.length for run in runs}):
                 masks[length] = dense_mask(spec, length, params.device)
         return SdpaPlan(runs, masks)
