@@ -15,6 +15,7 @@ import torch
 
 from ._dtypes import parse_dtype
 from ._errors import AttentionBackendError, PlatformError
+from ._features import MAX_CHUNK_SIZE
 from ._platform import Platform, parse_platform
 from ._spec import MAX_ROPE_THETA
 
@@ -128,6 +129,16 @@ def window(text: str) -> tuple[int, int]:
     if left < 0 or right < 0:
         raise argparse.ArgumentTypeError(f"{hint}, both >= 0; got {text!r}")
     return left, right
+
+
+def chunk_size(text: str) -> int:
+    """``N``: positions per chunk of chunked attention (`AttentionSpec.chunk_size`)."""
+    value = _integer(text)
+    if not 1 <= value <= MAX_CHUNK_SIZE:
+        raise argparse.ArgumentTypeError(
+            f"expected positions per chunk from 1 to {MAX_CHUNK_SIZE} (Llama 4: 8192), got {text!r}"
+        )
+    return value
 
 
 def logit_softcap(text: str) -> float:

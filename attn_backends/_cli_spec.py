@@ -176,6 +176,7 @@ def spec_from_args(args: argparse.Namespace) -> AttentionSpec:
         args.logit_softcap if args.logit_softcap is not None else start.logit_softcap
     )
     alibi = AlibiSpec() if args.alibi else start.alibi
+    chunk: int | None = args.chunk_size if args.chunk_size is not None else start.chunk_size
     try:
         return replace(
             start,
@@ -191,6 +192,7 @@ def spec_from_args(args: argparse.Namespace) -> AttentionSpec:
             window=window,
             logit_softcap=softcap,
             alibi=alibi,
+            chunk_size=chunk,
         )
     except SpecError as exc:
         raise CommandLineError(f"these flags describe no valid attention layer: {exc}") from exc

@@ -139,6 +139,13 @@ def _add_spec_args(parser: CommandParser) -> None:
         "specs; HF sliding_window W of Mistral/Qwen2/Gemma is W-1,0)",
     )
     g.add_argument(
+        "--chunk-size",
+        type=_cli_args.chunk_size,
+        metavar="N",
+        help="chunked attention: the query at position i sees keys j with i//N == j//N only "
+        "(HF attention_chunk_size of Llama 4)",
+    )
+    g.add_argument(
         "--logit-softcap",
         type=_cli_args.logit_softcap,
         metavar="CAP",

@@ -414,11 +414,15 @@ def test_a_pipe_closed_early_is_quiet(argv, unbuffered):
         ),
         (["--preset", "short", "--logit-softcap", "50"], {"logit_softcap": 50.0}),
         (
+            ["--preset", "short", "--chunk-size", "8192", "--window", "4095,0"],
+            {"chunk_size": 8192, "window": {"left": 4095, "right": 0}},
+        ),
+        (
             ["--preset", "short", "--rope-scaling", '{"rope_type": "linear", "factor": 4}'],
             {"rope": {"theta": 1e6, "rotary_dim": 128, "interleaved": False}},
         ),
     ],
-    ids=["causal-window", "bidirectional-window-alibi", "softcap", "rope-scaling"],
+    ids=["causal-window", "bidirectional-window-alibi", "softcap", "chunk", "rope-scaling"],
 )
 @pytest.mark.usefixtures("flex_registry")
 def test_feature_flags_replace_their_field_only(capsys, flags, expected):
@@ -467,6 +471,17 @@ def test_softcap_flag_selects_flex_on_cpu_and_its_canary_passes(capsys):
     assert out.startswith("OK: flex")
 
 
+@pytest.mark.usefixtures("flex_registry")
+def test_chunk_flag_is_served_on_cpu_and_named_in_explain(capsys):
+    flags = ("--heads", "4", "--head-dim", "32", "--dtype", "fp32", "--chunk-size", "4")
+    code, out, err = run(capsys, "explain", *flags, "--device", "cpu")
+    assert code == 0, err
+    assert "chunk 4" in out and "torch-sdpa" in out
+    code, out, err = run(capsys, "check", *flags, "--logit-softcap", "20", "--device", "cpu")
+    assert code == 0, err
+    assert out.startswith("OK: flex")
+
+
 FEATURE_MISTAKES = {
     "window-format": (["--window", "4"], ["--window", "LEFT,RIGHT"]),
     "window-negative": (["--window", "4,-1"], ["--window", ">= 0"]),
@@ -479,6 +494,9 @@ FEATURE_MISTAKES = {
         ["--window 2,1", "--causal hides", "--window 2,0"],
     ),
     "softcap-zero": (["--logit-softcap", "0"], ["--logit-softcap", "> 0"]),
+    "chunk-zero": (["--chunk-size", "0"], ["--chunk-size", "from 1 to 2147483647", "'0'"]),
+    "chunk-past-bound": (["--chunk-size", str(2**31)], ["--chunk-size", "from 1 to 2147483647"]),
+    "chunk-text": (["--chunk-size", "4k"], ["--chunk-size", "'4k'"]),
     "softcap-text": (["--logit-softcap", "big"], ["--logit-softcap", "'big'"]),
     "rope-scaling-not-json": (["--rope-scaling", "{factor: 4}"], ["--rope-scaling", "not JSON"]),
     "rope-scaling-not-object": (["--rope-scaling", "[4]"], ["--rope-scaling", "JSON object"]),
@@ -537,6 +555,7 @@ def test_rope_scaling_without_rope_names_the_fix(capsys):
         (["--window", "-1,0"], ["argument --window", "both >= 0", "'-1,0'"]),
         (["--window", "-5"], ["argument --window", "expected LEFT,RIGHT"]),
         (["--logit-softcap", "-5"], ["argument --logit-softcap"]),
+        (["--chunk-size", "-8"], ["argument --chunk-size", "'-8'"]),
     ],
 )
 def test_a_negative_value_is_read_and_refused_by_its_flag(capsys, flags, fragments):
