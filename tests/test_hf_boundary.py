@@ -193,8 +193,9 @@ def test_case1_a_model_that_ignores_packed_boundaries_is_refused_at_unpack():
 
 
 @pytest.mark.parametrize("chunk", [4, 64], ids=["chunk-bites", "chunk-longer-than-batch"])
-def test_case2_chunked_attention_is_refused_by_name(chunk):
-    """Llama 4's chunked attention: refused whatever the batch (the spec has no chunk)."""
+def test_case2_chunked_attention_is_the_models_own(chunk):
+    """Llama 4's chunked attention: the chunk is the spec's ``chunk_size``, served exactly
+    (more inputs and the negative controls: tests/test_hf_chunked.py)."""
     cfg = transformers.Llama4TextConfig(
         **SMALL,
         intermediate_size_mlp=64,
@@ -205,8 +206,8 @@ def test_case2_chunked_attention_is_refused_by_name(chunk):
         use_cache=False,
     )
     model = _model(cfg, impl=NAME)
-    with pytest.raises(ab.FeatureNotSupportedError, match=rf"Llama4TextModel.*chunk.*{chunk}"):
-        _run(model, NAME, input_ids=_ids(2, 9))
+    _served_matches_eager(model, input_ids=_ids(2, 9))
+    assert chunk in {s.spec.chunk_size for s in abt.decisions()}
 
 
 def _sequence_ids_mask(ids: torch.Tensor) -> Callable[..., torch.Tensor]:

@@ -20,9 +20,15 @@ ALiBi never arrives here: BLOOM and MPT compute their attention inside their own
 without transformers' attention-function registry, so no registered function sees them.
 
 Some features reach only the mask hook: Llama 4's chunked attention (``attention_chunk_size``)
-is a mask (``create_chunked_causal_mask``), never a kwarg. The spec has no chunk field yet, so
-`refuse_mask_features` refuses it by name, whatever the batch's lengths; a chunk feature
-would turn that refusal into a spec field here.
+is a mask (``create_chunked_causal_mask``), never a kwarg. transformers hands the hook
+``local_size=attention_chunk_size`` for it (and ``local_size=sliding_window`` for window masks),
+and the chunked layers get that mask: `chunk_from_hf` reads it as the spec's ``chunk_size``,
+which the attention function takes from the mask its layer was handed. transformers measures
+chunks from each row's first valid token (``column - left padding``) and, on packed rows, over
+the restarting ``position_ids``: that is the spec's rule (positions restart per sequence)
+wherever a row's valid tokens are contiguous. Both readings are proven, never assumed: the
+model's own mask function is evaluated against the spec (`_hf_mask`), so a chunked mask
+mistaken for a window (or a padding hole, where the two measures differ) is refused.
 """
 
 from __future__ import annotations
@@ -35,7 +41,7 @@ import torch
 from .._errors import FeatureNotSupportedError, IntegrationError
 from .._features import SlidingWindow
 
-__all__ = ["hf_features", "refuse_mask_features", "window_from_hf"]
+__all__ = ["chunk_from_hf", "hf_features", "window_from_hf"]
 
 _REFUSED = {
     "s_aux": "s_aux (attention sinks)",
@@ -88,14 +94,18 @@ def _short(value: object) -> str:
     return repr(value)
 
 
-def refuse_mask_features(config: Any, local_size: object, model_name: str) -> None:
-    """Raise `FeatureNotSupportedError` when the mask hook is asked for a mask kind the spec
-    cannot express: the chunked mask (``local_size`` is the config's ``attention_chunk_size``)."""
+def chunk_from_hf(config: Any, local_size: object, model_name: str) -> int | None:
+    """The spec's ``chunk_size`` for the mask the hook is asked for: the config's
+    ``attention_chunk_size`` when ``local_size`` is it (transformers' chunked mask), else None.
+    A chunk that is not a positive int is refused with `IntegrationError`."""
     # the config is transformers' untyped object; only chunked models carry this attribute
     chunk = getattr(config, "attention_chunk_size", None)
-    if chunk is not None and local_size == chunk:
-        raise FeatureNotSupportedError(
-            f"{model_name} asks for chunked attention (attention_chunk_size={chunk}: queries "
-            "see keys of their own chunk only), which attn_backends does not support yet; "
-            "load this model with attn_implementation='sdpa' or 'eager'"
+    if chunk is None or local_size != chunk:
+        return None
+    if isinstance(chunk, bool) or not isinstance(chunk, int) or chunk < 1:
+        raise IntegrationError(
+            f"{model_name} asks for chunked attention with attention_chunk_size="
+            f"{_short(chunk)}; attn_backends reads it as transformers does, a positive int "
+            "(positions per chunk)"
         )
+    return chunk

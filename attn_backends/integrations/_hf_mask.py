@@ -13,9 +13,9 @@ mask cannot slip past, it can only be refused.
 What attn_backends computes for a layout (``BatchLayout``):
 
 - rows of one sequence (padding anywhere, or none): the row's valid tokens, in order, form the
-  sequence; the causal rule and the window count *valid tokens*, not columns (so a masked
-  token between valid ones is not counted; transformers counts columns, hence a hole under a
-  window differs and is refused);
+  sequence; the causal rule, the window and the chunks count *valid tokens*, not columns (so a
+  masked token between valid ones is not counted; transformers counts columns, from the first
+  valid one for chunks, hence a hole under a window or chunks differs and is refused);
 - rows packed with several sequences: each ``(row, start, stop)`` is its own sequence. Only
   the diagonal blocks are compared (the packing is the caller's intent: transformers'
   bidirectional masks ignore it), plus, on causal layers, the column just before each
@@ -39,7 +39,6 @@ from typing import Any
 import torch
 
 from .._errors import IntegrationError, MaskMismatchError
-from .._features import SlidingWindow
 from .._selector import Selection
 from .._spec import AttentionSpec
 from . import _layout
@@ -76,6 +75,9 @@ class MaskRequest:
     evaluate: ModelMask | None
     """The model's mask; None when the hook was called without a ``mask_function`` (not by
     transformers): the padding alone is then the mask."""
+    chunk_size: int | None = None
+    """The chunk of a chunked mask (``attention_chunk_size``): the spec's ``chunk_size`` for
+    every layer handed this mask."""
     layouts: dict[Hashable, tuple[object, BatchLayout]] = field(default_factory=dict)
     """Per layout source: the source object (kept alive, so its id stays its own) and the
     layout."""
@@ -150,15 +152,19 @@ class Mismatch:
     model_allows: bool
 
 
-def _rule(
-    qi: torch.Tensor, kj: torch.Tensor, causal: bool, window: SlidingWindow | None
-) -> torch.Tensor:
+def _rule(qi: torch.Tensor, kj: torch.Tensor, spec: AttentionSpec) -> torch.Tensor:
     """Which keys a query sees, by their indices within one sequence."""
     ok = torch.ones_like(qi - kj, dtype=torch.bool)
-    if causal:
+    if spec.causal:
         ok &= kj <= qi
+    window = spec.window
     if window is not None:
         ok &= (qi - kj <= window.left) & (kj - qi <= window.right)
+    chunk = spec.chunk_size
+    if chunk is not None:
+        ok &= torch.div(qi, chunk, rounding_mode="floor") == torch.div(
+            kj, chunk, rounding_mode="floor"
+        )
     return ok
 
 
@@ -166,9 +172,7 @@ def _first(diff: torch.Tensor) -> tuple[int, ...]:
     return tuple(int(x) for x in diff.nonzero()[0].tolist())
 
 
-def _check_rows(
-    model: ModelMask, layout: BatchLayout, causal: bool, window: SlidingWindow | None
-) -> Mismatch | None:
+def _check_rows(model: ModelMask, layout: BatchLayout, spec: AttentionSpec) -> Mismatch | None:
     """Rows of one sequence each: every valid query row against every key column."""
     batch, seq = layout.batch, layout.seq
     device = layout.params.cu_seqlens_q.device
@@ -182,7 +186,7 @@ def _check_rows(
     for q0 in range(0, seq, step):
         q1 = min(seq, q0 + step)
         allowed = model(batch, q0, q1 - q0, 0, seq).to(device)
-        want = valid[:, None, :] & _rule(index[:, q0:q1, None], index[:, None, :], causal, window)
+        want = valid[:, None, :] & _rule(index[:, q0:q1, None], index[:, None, :], spec)
         diff = (allowed != want) & valid[:, q0:q1, None]
         if bool(diff.any()):
             row, q, k = _first(diff)
@@ -191,7 +195,7 @@ def _check_rows(
 
 
 def _segment_tiles(
-    model: ModelMask, layout: BatchLayout, causal: bool, window: SlidingWindow | None
+    model: ModelMask, layout: BatchLayout, spec: AttentionSpec
 ) -> Iterator[tuple[int, int, int, torch.Tensor, torch.Tensor]]:
     """Per tile of each packed sequence: ``(row, first query column, first key column, what
     the model allows, where it differs)``. The keys are the sequence's own, plus on causal
@@ -199,26 +203,24 @@ def _segment_tiles(
     device = layout.params.cu_seqlens_q.device
     for row, start, stop in layout.segments:
         n = stop - start
-        probe = 1 if causal and start > 0 else 0
+        probe = 1 if spec.causal and start > 0 else 0
         keys = torch.arange(-probe, n, device=device)[None, :]
         step = max(1, TILE_ELEMENTS // (n + probe))
         for q0 in range(0, n, step):
             q1 = min(n, q0 + step)
             allowed = model(row + 1, start + q0, q1 - q0, start - probe, n + probe)[row].to(device)
             queries = torch.arange(q0, q1, device=device)[:, None]
-            want = (keys >= 0) & _rule(queries, keys, causal, window)
+            want = (keys >= 0) & _rule(queries, keys, spec)
             yield row, start + q0, start - probe, allowed, allowed != want
 
 
-def _check_segments(
-    model: ModelMask, layout: BatchLayout, causal: bool, window: SlidingWindow | None
-) -> Mismatch | None:
+def _check_segments(model: ModelMask, layout: BatchLayout, spec: AttentionSpec) -> Mismatch | None:
     """Packed rows: one host sync for the whole batch, a second pass only to locate a
     difference."""
-    flags = [diff.any() for *_, diff in _segment_tiles(model, layout, causal, window)]
+    flags = [diff.any() for *_, diff in _segment_tiles(model, layout, spec)]
     if not bool(torch.stack(flags).any()):
         return None
-    for row, q_col, k_col, allowed, diff in _segment_tiles(model, layout, causal, window):
+    for row, q_col, k_col, allowed, diff in _segment_tiles(model, layout, spec):
         if bool(diff.any()):
             q, k = _first(diff)
             return Mismatch(row, q_col + q, k_col + k, bool(allowed[q, k]))
@@ -236,7 +238,7 @@ def check_mask(
     """Raise `MaskMismatchError` unless ``model``'s mask is what ``spec`` computes over
     ``layout`` wherever a valid query looks."""
     check = _check_segments if layout.segments else _check_rows
-    found = check(model, layout, spec.causal, spec.window)
+    found = check(model, layout, spec)
     if found is not None:
         raise MaskMismatchError(_explain(found, layout, spec, model_name, layer))
 
@@ -254,7 +256,8 @@ def _explain(
     sees = "lets" if found.model_allows else "does not let"
     ours = "would" if not found.model_allows else "would not"
     window = f", window {spec.window.describe()}" if spec.window is not None else ""
-    what = f"{'causal' if spec.causal else 'bidirectional'} attention{window}"
+    chunk = f", chunks of {spec.chunk_size}" if spec.chunk_size is not None else ""
+    what = f"{'causal' if spec.causal else 'bidirectional'} attention{window}{chunk}"
     who = model_name if model_name == layer else f"{model_name} ({layer})"
     head = (
         f"{who}: its attention mask {sees} query column {found.query} of row "
@@ -272,11 +275,12 @@ def _explain(
             "use_cache=False and position_ids that restart per sequence (pack_sequences "
             "returns them), or pass a padded batch"
         )
-    elif spec.window is not None and _has_hole(layout, found.row):
+    elif (spec.window is not None or spec.chunk_size is not None) and _has_hole(layout, found.row):
+        measured = "sliding window" if spec.window is not None else "chunks"
         why = (
             "the padding mask has a masked token between valid ones, and transformers measures "
-            "the sliding window over positions while attn_backends measures it over the valid "
-            "tokens. Pass each row's valid tokens contiguously (right or left padding)"
+            f"the {measured} over the row's columns while attn_backends measures them over the "
+            "valid tokens. Pass each row's valid tokens contiguously (right or left padding)"
         )
     else:
         why = (
@@ -342,7 +346,7 @@ def layout_of_4d(
         while len(_state_4d.entries) > _ENTRIES_4D:
             _state_4d.entries.popitem(last=False)
     _state_4d.entries.move_to_end(key)
-    verdict = (spec.causal, spec.window)
+    verdict = (spec.causal, spec.window, spec.chunk_size)
     if verdict not in entry.checked:
         frozen = entry.allowed
 

@@ -12,8 +12,9 @@ The rule: the model computes exactly its own attention, or the call raises a nam
 what it asked for and what to do instead. To keep it:
 
 - the mask hook refuses models whose attention modules bypass the registry
-  (`_hf_models`, transformers' own ``_can_set_attn_implementation`` signal) and mask kinds
-  the spec has no field for (chunked attention, `_hf_features`);
+  (`_hf_models`, transformers' own ``_can_set_attn_implementation`` signal), and reads a
+  chunked mask's chunk (Llama 4's ``attention_chunk_size``, `_hf_features`) into the spec of
+  every layer handed that mask;
 - the hook records the model's ``mask_function``; the attention function evaluates it once
   per batch and compares it with what the spec computes over the batch's layout (`_hf_mask`);
 - 4-D masks are read by content, never by identity; `unpack_hidden` refuses packed
@@ -27,7 +28,8 @@ Two input forms:
 - **padded**: ``[B, S]`` rows with a 2-D attention mask (right or left padding). The valid
   tokens are gathered per layer with indices found once per batch; padded output rows are 0.
 
-Sliding windows and logit soft-capping become spec fields (`_hf_features` is the mapping);
+Sliding windows, logit soft-capping and chunks become spec fields (`_hf_features` is the
+mapping);
 a model that alternates local and global layers gets one plan per distinct spec per batch.
 
 Each new decision is logged (logger ``attn_backends``, INFO) with the layer class, the spec
@@ -116,15 +118,16 @@ def padding_mask(
     """transformers' mask hook: a ``[batch, kv_length]`` bool padding mask (a new tensor).
 
     No ``[B, 1, S, S]`` mask is built. The hook refuses models whose attention bypasses the
-    registry (they would add this tensor to their scores) and mask kinds the spec cannot
-    express, and records the model's ``mask_function`` with the returned tensor: the
-    attention function evaluates it once per batch against what it computes.
+    registry (they would add this tensor to their scores), and records the model's
+    ``mask_function`` (and a chunked mask's chunk) with the returned tensor: the attention
+    function evaluates it once per batch against what it computes.
     """
     config = kwargs.get("config")
     model = _hf_models.model_name(config) if config is not None else "the model"
+    chunk: int | None = None
     if config is not None:
         _hf_models.refuse_bypassing_model(config)
-        _hf_features.refuse_mask_features(config, kwargs.get("local_size"), model)
+        chunk = _hf_features.chunk_from_hf(config, kwargs.get("local_size"), model)
     if q_length != kv_length or q_offset != 0 or kv_offset != 0:
         raise IntegrationError(
             f"{model} asks for {q_length} queries against {kv_length} keys at offsets "
@@ -153,7 +156,7 @@ def padding_mask(
         if callable(function)
         else None
     )
-    request = MaskRequest(model, batch_size, kv_length, device, padding, evaluate)
+    request = MaskRequest(model, batch_size, kv_length, device, padding, evaluate, chunk)
     return _hf_mask.record(token, request)
 
 
@@ -201,6 +204,7 @@ def _spec_for(
     scaling: float | None,
     is_causal: bool | None,
     kwargs: Mapping[str, Any],
+    chunk_size: int | None,
 ) -> AttentionSpec:
     # transformers' own rule for its attention modules (untyped, not all define ``is_causal``):
     # the call's flag, else the module's, else causal, as its sdpa path reads it.
@@ -214,6 +218,7 @@ def _spec_for(
         causal=causal,
         rope=None,  # the model rotated q and k before calling attention
         softmax_scale=None if scaling is None else float(scaling),
+        chunk_size=chunk_size,  # from the mask this layer was handed (the hook read it)
         **features,  # type: ignore[arg-type]
     )
 
@@ -251,13 +256,14 @@ def _log_decision(
     if new:
         logger.info(
             "attn_backends: %s on %s served by %s (causal=%s, window=%s, logit_softcap=%s, "
-            "%d/%d heads, head_dim %d, %s)",
+            "chunk_size=%s, %d/%d heads, head_dim %d, %s)",
             type(module).__name__,
             device,
             found.name,
             spec.causal,
             spec.window.describe() if spec.window is not None else None,
             spec.logit_softcap,
+            spec.chunk_size,
             spec.num_heads,
             spec.num_kv_heads,
             spec.head_dim,
@@ -364,7 +370,7 @@ def _batch_layout(
     layer = type(module).__name__
     if request is not None:
         layout = _hooked_layout(request, batch, seq, kwargs, layer)
-        verdict = (id(layout), spec.causal, spec.window)
+        verdict = (id(layout), spec.causal, spec.window, spec.chunk_size)
         if request.evaluate is not None and verdict not in request.checked:
             _hf_mask.check_mask(
                 request.evaluate, layout, spec, model_name=request.model, layer=layer
@@ -433,8 +439,9 @@ def attention_forward(
     there). The spec's ``causal`` flag is ``is_causal`` when given, else ``module.is_causal``.
     """
     _refuse_unsupported_call(module, query, key, value, dropout, kwargs)
-    spec = _spec_for(module, query, key, scaling, is_causal, kwargs)
     request = _hf_mask.request_of(attention_mask)
+    chunk = request.chunk_size if request is not None else None
+    spec = _spec_for(module, query, key, scaling, is_causal, kwargs, chunk)
     batch, _, seq, head_dim = query.shape
     layout = _batch_layout(module, attention_mask, request, batch, seq, query.device, spec, kwargs)
     selection = _selection(spec, query.device, backend, module, request)

@@ -1,0 +1,194 @@
+"""Llama 4's chunked attention through the transformers integration: the chunked mask's
+``attention_chunk_size`` becomes the spec's ``chunk_size`` on the layers handed that mask, and
+the model computes its own attention on right- and left-padded batches, one sequence and packed
+rows; the model's mask function is still evaluated against the spec on every chunked layer.
+
+Negative controls: a chunk one larger is refused by that check, and, with the check switched
+off, fails the comparison with eager far above its tolerance. A padding hole (where transformers
+counts chunks over columns and the spec over valid tokens) is refused, naming the chunks.
+
+Tiny config (four layers: three chunked RoPE layers and a NoPE full-attention one), seeded
+random weights, no download; tolerance is HF's own sdpa-vs-eager spread on the same input
+(the method of ``tests/test_hf_boundary.py``).
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import pytest
+import torch
+
+transformers = pytest.importorskip("transformers")
+
+import attn_backends as ab  # noqa: E402
+from attn_backends.integrations import _hf_features, _hf_mask  # noqa: E402
+from attn_backends.integrations import transformers as abt  # noqa: E402
+
+NAME = abt.register()
+VOCAB = 100
+CHUNK = 4
+SPREAD_FACTOR = 3.0
+
+
+def _model(chunk: int = CHUNK) -> Any:
+    cfg = transformers.Llama4TextConfig(
+        vocab_size=VOCAB,
+        hidden_size=32,
+        intermediate_size=64,
+        intermediate_size_mlp=64,
+        num_hidden_layers=4,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+        head_dim=16,
+        num_local_experts=1,
+        attention_chunk_size=chunk,
+        use_cache=False,
+    )
+    assert cfg.layer_types == ["chunked_attention"] * 3 + ["full_attention"]
+    torch.manual_seed(0)
+    model = transformers.AutoModel.from_config(cfg, attn_implementation="eager")
+    g = torch.Generator().manual_seed(3)
+    with torch.no_grad():  # weights large enough that a wrong mask shows
+        for name, p in model.named_parameters():
+            noise = torch.randn(p.shape, generator=g)
+            if p.dim() >= 2:
+                p.copy_(noise * (1.5 / math.sqrt(p.shape[-1])))
+            elif "norm" in name.lower():
+                p.copy_(1 + 0.1 * noise)
+            else:
+                p.copy_(0.1 * noise)
+    return model.eval()
+
+
+@pytest.fixture(scope="module")
+def model() -> Any:
+    return _model()
+
+
+def _run(model: Any, impl: str, **inputs: Any) -> torch.Tensor:
+    model.set_attn_implementation(impl)
+    with torch.no_grad():
+        hidden: torch.Tensor = model(**inputs).last_hidden_state
+        return hidden
+
+
+def _error(got: torch.Tensor, want: torch.Tensor) -> float:
+    return float((got - want).norm() / want.norm())
+
+
+def _ids(rows: int, cols: int, seed: int = 0) -> torch.Tensor:
+    return torch.randint(3, VOCAB, (rows, cols), generator=torch.Generator().manual_seed(seed))
+
+
+def _padded(left: bool) -> dict[str, torch.Tensor]:
+    """Rows of 13, 6 and 9 valid tokens in 13 columns: chunks of 4 split all of them."""
+    mask = torch.zeros(3, 13, dtype=torch.long)
+    for row, n in enumerate((13, 6, 9)):
+        if left:
+            mask[row, 13 - n :] = 1
+        else:
+            mask[row, :n] = 1
+    return {"input_ids": _ids(3, 13), "attention_mask": mask}
+
+
+def _packed() -> dict[str, Any]:
+    ids = _ids(1, 25, seed=1)[0].tolist()
+    return dict(abt.pack_sequences([ids[:10], ids[10:15], ids[15:]]))
+
+
+INPUTS = {
+    "right-padded": lambda: _padded(left=False),
+    "left-padded": lambda: _padded(left=True),
+    "one-sequence": lambda: {"input_ids": _ids(1, 14, seed=2)},
+    "packed": _packed,
+}
+
+
+def _valid(inputs: dict[str, Any]) -> torch.Tensor:
+    mask = inputs.get("attention_mask")
+    if mask is not None:
+        return mask.bool()
+    return torch.ones(inputs["input_ids"].shape, dtype=torch.bool)
+
+
+def _compare(model: Any, inputs: dict[str, Any]) -> tuple[float, float]:
+    """(error of attn_backends against eager, HF's own sdpa-vs-eager spread as tolerance)."""
+    valid = _valid(inputs)
+    eager = _run(model, "eager", **inputs)[valid]
+    sdpa = _run(model, "sdpa", **inputs)[valid]
+    tolerance = SPREAD_FACTOR * _error(sdpa, eager) + torch.finfo(torch.float32).eps
+    return _error(_run(model, NAME, **inputs)[valid], eager), tolerance
+
+
+@pytest.fixture
+def checks(monkeypatch: pytest.MonkeyPatch) -> list[ab.AttentionSpec]:
+    """The specs the mask check compared the model's own mask with."""
+    seen: list[ab.AttentionSpec] = []
+    real = _hf_mask.check_mask
+
+    def counted(model: _hf_mask.ModelMask, layout: Any, spec: ab.AttentionSpec, **kw: Any) -> None:
+        seen.append(spec)
+        real(model, layout, spec, **kw)
+
+    monkeypatch.setattr(_hf_mask, "check_mask", counted)
+    return seen
+
+
+@pytest.mark.parametrize("kind", INPUTS)
+def test_chunked_layers_compute_the_models_own_attention(model, checks, kind):
+    inputs = INPUTS[kind]()
+    error, tolerance = _compare(model, inputs)
+    assert error <= tolerance, (error, tolerance)
+    # the model's chunked mask was evaluated against a chunked spec, the full one without
+    assert {spec.chunk_size for spec in checks} == {CHUNK, None}
+    served = {s.spec.chunk_size for s in abt.decisions() if s.spec.head_dim == 16}
+    assert CHUNK in served
+
+
+def test_a_chunk_longer_than_the_batch_matches_too():
+    error, tolerance = _compare(_model(chunk=64), _padded(left=True))
+    assert error <= tolerance, (error, tolerance)
+
+
+def _chunk_one_larger(monkeypatch: pytest.MonkeyPatch) -> None:
+    real = _hf_features.chunk_from_hf
+
+    def larger(config: Any, local_size: object, model_name: str) -> int | None:
+        chunk = real(config, local_size, model_name)
+        return None if chunk is None else chunk + 1
+
+    monkeypatch.setattr(_hf_features, "chunk_from_hf", larger)
+
+
+@pytest.mark.parametrize("kind", INPUTS)
+def test_a_chunk_one_larger_is_refused_by_the_mask_check(model, monkeypatch, kind):
+    _chunk_one_larger(monkeypatch)
+    with pytest.raises(abt.MaskMismatchError, match=r"Llama4TextModel.*chunks of 5"):
+        _run(model, NAME, **INPUTS[kind]())
+
+
+@pytest.mark.parametrize("kind", INPUTS)
+def test_a_chunk_one_larger_fails_the_comparison_without_the_check(model, monkeypatch, kind):
+    """The check is not what makes the comparison pass: without it a wrong chunk runs, and
+    its output is far from the model's own."""
+    _chunk_one_larger(monkeypatch)
+    monkeypatch.setattr(_hf_mask, "check_mask", lambda *args, **kwargs: None)
+    error, tolerance = _compare(model, INPUTS[kind]())
+    assert error > 100 * tolerance, (error, tolerance)
+
+
+def test_a_padding_hole_under_chunks_is_refused_and_named(model):
+    inputs = _padded(left=False)
+    inputs["attention_mask"][0, 2] = 0  # one masked token between valid ones
+    with pytest.raises(abt.MaskMismatchError, match=r"between valid ones.*measures the chunks"):
+        _run(model, NAME, **inputs)
+
+
+def test_a_chunk_the_spec_cannot_take_is_refused_by_name():
+    config = transformers.Llama4TextConfig(attention_chunk_size=4)
+    config.attention_chunk_size = 0
+    with pytest.raises(ab.IntegrationError, match=r"Llama4.*attention_chunk_size=0"):
+        _hf_features.chunk_from_hf(config, 0, "Llama4TextModel")
+    assert _hf_features.chunk_from_hf(config, 7, "Llama4TextModel") is None  # a window's size
