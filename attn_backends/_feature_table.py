@@ -1,7 +1,7 @@
 """One descriptor per attention feature, and the table the rest of the package loops over.
 
 A feature (sliding windows, the logit soft-cap, ALiBi, headwise masks, MLA, FP8 input, RoPE
-scaling) is one `Feature`. It owns, in one place:
+scaling, chunked attention) is one `Feature`. It owns, in one place:
 
 - whether a spec uses it (`Feature.used`), its checks against the rest of the layer
   (`validate`, and `canonical` for the one form equal values are stored in) and its part of

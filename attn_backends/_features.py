@@ -1,7 +1,8 @@
 """The values of the attention features beyond the plain mask: local (sliding) windows, ALiBi
 biases, rtp-llm's headwise masks, and the bounds every backend computes them within.
 
-They are plain data on `AttentionSpec` (``window``, ``alibi``, ``headwise``, ``logit_softcap``);
+They are plain data on `AttentionSpec` (``window``, ``alibi``, ``headwise``, ``logit_softcap``,
+``chunk_size``);
 each feature's descriptor (`_feature_table`) validates them against the rest of the layer.
 Positions are 0-based and restart with every sequence.
 

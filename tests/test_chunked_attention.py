@@ -11,6 +11,7 @@ import math
 import pytest
 import torch
 from attn_backends_builtin import _masks, flex, torch_sdpa
+from attn_backends_builtin._flex_kernel import MaskMod
 from attn_backends_builtin.aiter import AiterAsmBackend, AiterNonAsmBackend
 from attn_backends_builtin.flashinfer import FlashinferBackend
 from attn_backends_builtin.trt import TrtBackend
@@ -168,7 +169,7 @@ def _off_by(monkeypatch: pytest.MonkeyPatch, delta: int) -> None:
     """The built-ins' mask computing chunks of ``chunk_size + delta``."""
     right = _masks.visible
 
-    def wrong(spec: ab.AttentionSpec, terms: _masks.MaskTerms) -> _masks.MaskMod:
+    def wrong(spec: ab.AttentionSpec, terms: _masks.MaskTerms) -> MaskMod:
         assert spec.chunk_size is not None
         return right(dataclasses.replace(spec, chunk_size=spec.chunk_size + delta), terms)
 

@@ -108,7 +108,7 @@ INPUTS = {
 
 def _valid(inputs: dict[str, Any]) -> torch.Tensor:
     mask = inputs.get("attention_mask")
-    if mask is not None:
+    if isinstance(mask, torch.Tensor):
         return mask.bool()
     return torch.ones(inputs["input_ids"].shape, dtype=torch.bool)
 
