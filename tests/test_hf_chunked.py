@@ -82,14 +82,13 @@ def _ids(rows: int, cols: int, seed: int = 0) -> torch.Tensor:
     return torch.randint(3, VOCAB, (rows, cols), generator=torch.Generator().manual_seed(seed))
 
 
-def _padded(left: bool) -> dict[str, torch.Tensor]:
-    """Rows of 13, 6 and 9 valid tokens in 13 columns: chunks of 4 split all of them."""
+def _padded(left: bool, right: bool = True) -> dict[str, torch.Tensor]:
+    """Rows of 13, 6 and 9 valid tokens in 13 columns (chunks of 4 split all of them), the
+    padding after them, before them, or on both sides."""
     mask = torch.zeros(3, 13, dtype=torch.long)
     for row, n in enumerate((13, 6, 9)):
-        if left:
-            mask[row, 13 - n :] = 1
-        else:
-            mask[row, :n] = 1
+        start = (13 - n) // 2 if left and right else 13 - n if left else 0
+        mask[row, start : start + n] = 1
     return {"input_ids": _ids(3, 13), "attention_mask": mask}
 
 
@@ -100,7 +99,8 @@ def _packed() -> dict[str, Any]:
 
 INPUTS = {
     "right-padded": lambda: _padded(left=False),
-    "left-padded": lambda: _padded(left=True),
+    "left-padded": lambda: _padded(left=True, right=False),
+    "padded-both-sides": lambda: _padded(left=True),
     "one-sequence": lambda: {"input_ids": _ids(1, 14, seed=2)},
     "packed": _packed,
 }
@@ -148,7 +148,7 @@ def test_chunked_layers_compute_the_models_own_attention(model, checks, kind):
 
 
 def test_a_chunk_longer_than_the_batch_matches_too():
-    error, tolerance = _compare(_model(chunk=64), _padded(left=True))
+    error, tolerance = _compare(_model(chunk=64), _padded(left=True, right=False))
     assert error <= tolerance, (error, tolerance)
 
 

@@ -5,8 +5,9 @@ say more than padding and causality: a window, chunks, packed-sequence ids, a re
 indices to positions, custom ``and_mask_function``/``or_mask_function`` overlays. Rather than
 recognising the kinds known today, the mask hook records the function it was handed (with the
 padding and the index ranges) and the attention function evaluates it, once per batch and
-per distinct (layout, causal flag, window), on the index grid of the batch with transformers'
-own ``sdpa_mask``, and compares it with the mask that the spec and the layout imply. A
+per distinct (layout, causal flag, window, chunk), on the index grid of the batch with
+transformers' own ``sdpa_mask``, and compares it with the mask that the spec and the layout
+imply. A
 difference anywhere a valid query looks is refused with `MaskMismatchError`; a new kind of
 mask cannot slip past, it can only be refused.
 
