@@ -7,9 +7,8 @@ recognising the kinds known today, the mask hook records the function it was han
 padding and the index ranges) and the attention function evaluates it, once per batch and
 per distinct (layout, causal flag, window, chunk), on the index grid of the batch with
 transformers' own ``sdpa_mask``, and compares it with the mask that the spec and the layout
-imply. A
-difference anywhere a valid query looks is refused with `MaskMismatchError`; a new kind of
-mask cannot slip past, it can only be refused.
+imply. A difference anywhere a valid query looks is refused with `MaskMismatchError`; a new
+kind of mask cannot slip past, it can only be refused.
 
 What attn_backends computes for a layout (``BatchLayout``):
 
