@@ -192,3 +192,21 @@ def test_a_chunk_the_spec_cannot_take_is_refused_by_name():
     with pytest.raises(ab.IntegrationError, match=r"Llama4.*attention_chunk_size=0"):
         _hf_features.chunk_from_hf(config, 0, "Llama4TextModel")
     assert _hf_features.chunk_from_hf(config, 7, "Llama4TextModel") is None  # a window's size
+
+
+def test_graph_runner_refuses_chunks_by_name(model):
+    """The runner's bucket plans hand its layers no mask, so none would learn the chunk: it
+    refuses the model by name (it ran as plain causal attention, relative error 0.92)."""
+    from attn_backends.integrations.graph_runner import GraphRunner
+
+    packed = _packed()
+    model.set_attn_implementation(NAME)
+    runner = GraphRunner(model, [ab.GraphBucket(max_tokens=32, max_batch=4)])
+    with (
+        torch.no_grad(),
+        pytest.raises(ab.FeatureNotSupportedError, match=r"Llama4TextModel.*chunked.*GraphRunner"),
+    ):
+        runner(packed["input_ids"], packed["cu_seq_lens_q"])
+    model.set_attn_implementation(NAME)  # the runner switched it to its own functions
+    error, tolerance = _compare(model, _packed())  # the integration itself still serves it
+    assert error <= tolerance

@@ -15,7 +15,9 @@ the integration:
 - on CUDA the whole forward is captured once per bucket, at its first batch (after a warm-up
   on a side stream), and replayed for every later batch; all buckets' graphs share one memory
   pool;
-- a batch no bucket fits runs eagerly through the integration, as packed input.
+- a batch no bucket fits runs eagerly through the integration, as packed input;
+- a model that asks for chunked attention (Llama 4) is refused by name: a bucket's layers get
+  no mask, and the integration learns a layer's chunk from its mask.
 
 Padding rows never reach a real token or the output: the graph plan cuts them into padding
 sequences that attend only among themselves (`attn_backends._graph`), every other layer of an
@@ -37,20 +39,20 @@ from __future__ import annotations
 import inspect
 import itertools
 import threading
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
 import torch
 
-from .._errors import GraphModeError, IntegrationError, ParamsError
+from .._errors import FeatureNotSupportedError, GraphModeError, IntegrationError, ParamsError
 from .._graph import GraphBucket, GraphPlan, slot_lengths
 from .._params import FMHAParams
 from .._platform import Platform
 from .._protocol import CudaGraphPrefill
 from .._selector import select
 from .._spec import AttentionSpec
-from . import _registered
+from . import _hf_features, _hf_models, _registered
 from ._served import check_served
 from .transformers import _refuse_unsupported_call, _spec_for
 
@@ -127,9 +129,27 @@ def _dispatch_mask(inner: Any) -> Any:
     def mask(*args: Any, **kwargs: Any) -> Any:
         if _active.state is None:
             return inner(*args, **kwargs)
+        _refuse_chunks(kwargs)
         return None  # the bucket's plans hold the layout; no mask tensor, no device work
 
     return mask
+
+
+def _refuse_chunks(kwargs: Mapping[str, Any]) -> None:
+    """A bucket's layers get no mask, so no layer would learn a chunked mask's chunk (the
+    integration reads it from the mask each layer is handed): refused by name, never run as
+    plain causal attention."""
+    config = kwargs.get("config")
+    if config is None:
+        return
+    name = _hf_models.model_name(config)
+    chunk = _hf_features.chunk_from_hf(config, kwargs.get("local_size"), name)
+    if chunk is not None:
+        raise FeatureNotSupportedError(
+            f"{name} asks for chunked attention (attention_chunk_size={chunk}), which "
+            "GraphRunner's bucket plans do not carry; run this model through the integration "
+            "without GraphRunner (its packed and padded batches serve the chunks)"
+        )
 
 
 def _rows(x: torch.Tensor) -> torch.Tensor:

@@ -204,7 +204,7 @@ def _spec_for(
     scaling: float | None,
     is_causal: bool | None,
     kwargs: Mapping[str, Any],
-    chunk_size: int | None,
+    chunk_size: int | None = None,
 ) -> AttentionSpec:
     # transformers' own rule for its attention modules (untyped, not all define ``is_causal``):
     # the call's flag, else the module's, else causal, as its sdpa path reads it.
