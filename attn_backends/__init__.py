@@ -6,7 +6,7 @@ selector that explains itself, and backends that arrive as pluggy plugins.
 
 from __future__ import annotations
 
-from ._backend import PrefillBackend
+from ._backend import Binding, PrefillBackend
 from ._canary import CanaryResult, run_canary
 from ._capabilities import Capabilities, PriorityRule, check_capabilities, check_platform
 from ._contract import (
@@ -110,6 +110,7 @@ __all__ = [
     "AttentionSpec",
     "BackendEntry",
     "BackendFailure",
+    "Binding",
     "CanaryResult",
     "Candidate",
     "Capabilities",

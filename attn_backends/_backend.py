@@ -6,6 +6,12 @@ runs the generic capability checks, the contract, RoPE/logn and output shaping, 
 cannot forget any of them. A backend that declares ``capabilities.cuda_graph`` also writes
 ``plan_graph_kernel`` and ``replan_graph_kernel`` for graph mode (`prepare_graph`).
 
+Binding a backend to a spec (`PrefillBackend.bind`) is the one decision: it runs ``supports``
+for the platform and refuses with the reasons, then resolves once everything that depends only
+on the spec and the platform (the RoPE/logn pass as an object, the input layout, a backend's
+kernel variant) into a frozen `Binding`. ``prepare``, ``describe`` and the per-layer path
+(`ForwardPath`, built at the same time) read it; nothing is decided again per batch or layer.
+
 A bound backend holds no per-batch state: everything a batch needs lives in its plan, so plans
 prepared by any caller, in any order, never disturb each other.
 """
@@ -13,21 +19,22 @@ prepared by any caller, in any order, never disturb each other.
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
+from dataclasses import dataclass
 from typing import ClassVar, cast
 
 import torch
 
 from ._capabilities import Capabilities, check_capabilities
 from ._contract import (
-    AttendFn,
     BufferMemo,
+    ForwardPath,
     Fp8Scales,
     InputLayout,
+    Kernel,
     PrefillPlan,
     QKVInput,
     QKVViews,
     prepare_plan,
-    run_forward,
 )
 from ._devices import indexed
 from ._errors import (
@@ -41,8 +48,8 @@ from ._errors import (
 from ._graph import GraphBucket, GraphPlan, slot_lengths
 from ._kernels import KernelModule
 from ._params import FMHAParams
-from ._platform import Platform
-from ._preprocess import GRAPH_MODES, is_separate, platform_of, resolve_preprocess
+from ._platform import Platform, detect_platform
+from ._preprocess import GRAPH_MODES, PreprocessChoice, platform_of, resolve_preprocess
 from ._reasons import Reason, ReasonCode
 from ._spec import AttentionSpec
 
@@ -53,15 +60,98 @@ def _named_failure(backend: str, step: str, exc: Exception) -> BackendFailure:
     return BackendFailure(f"backend {backend} failed in {step}(): {type(exc).__name__}: {exc}")
 
 
+@dataclass(frozen=True, eq=False)
+class Binding:
+    """What a backend bound to a spec decided for a platform, once: read by ``prepare``,
+    ``describe`` (the decision record) and tools such as the benchmark.
+
+    Per batch only one thing is left open, and it is data here: whether the batch fuses RoPE
+    into the kernel (`choice_for`), for a backend that fuses only short batches.
+    """
+
+    spec: AttentionSpec
+    platform: Platform
+    layout: InputLayout
+    """How the kernel wants its input (`PrefillBackend.input_layout`)."""
+    unfused: PreprocessChoice
+    """The RoPE/logn pass of a batch the kernel does not fuse RoPE for (the pass object in
+    ``unfused.rope_pass`` when it is a separate pass)."""
+    fused: PreprocessChoice | None
+    """The ``fused`` choice when the kernel applies this spec's RoPE itself (None: never)."""
+    fused_max_seqlen: int | None
+    """With ``fused``: only batches whose longest sequence has at most this many tokens fuse
+    (None: every batch)."""
+    variant: object = None
+    """The backend's own spec-level choice (`PrefillBackend.kernel_variant`: flashinfer's
+    fa2/fa3 per fusion case, aiter's entry point); None for backends with none."""
+
+    def choice_for(self, max_seqlen: int) -> PreprocessChoice:
+        """The pass of a batch whose longest sequence has ``max_seqlen`` tokens."""
+        fused = self.fused
+        limit = self.fused_max_seqlen
+        if fused is not None and (limit is None or max_seqlen <= limit):
+            return fused
+        return self.unfused
+
+    @property
+    def preprocess(self) -> PreprocessChoice:
+        """The pass of a batch of one token (every batch, unless fusing depends on length)."""
+        return self.choice_for(1)
+
+    @property
+    def separate_qkv_pass(self) -> str:
+        """What runs RoPE/logn for separate ``(q, k, v)`` input of an unfused batch: the torch
+        pass whenever anything rotates (the others work on packed rows), else nothing."""
+        return "torch" if self.unfused.rotates else self.unfused.mode
+
+    def details(self) -> dict[str, str]:
+        """The generic part of the decision record."""
+        first = self.preprocess
+        details = {**first.details(), "input_layout": self.layout}
+        if self.fused is not None and self.fused_max_seqlen is not None:
+            details["preprocess"] = (
+                f"fused for batches of max_seqlen <= {self.fused_max_seqlen}, "
+                f"else {self.unfused.mode}"
+            )
+            if self.unfused.fallback is not None:
+                details["preprocess_fallback"] = self.unfused.fallback
+        if self.unfused.rotates and self.unfused.mode != "torch":
+            details["preprocess_separate_qkv"] = (
+                f"torch (separate (q, k, v) input; {self.unfused.mode} works on packed rows)"
+            )
+        return details
+
+
 class PrefillBackend(ABC):
     """Base class implementing `NoCachePrefill` around a kernel."""
 
     name: ClassVar[str]
     capabilities: ClassVar[Capabilities]
 
-    def __init__(self, spec: AttentionSpec | None = None) -> None:
+    def __init__(self, spec: AttentionSpec | None = None, platform: Platform | None = None) -> None:
+        """Unbound without ``spec`` (the registered instance); bound to ``spec`` otherwise, as
+        `bind` does: checked for ``platform`` (default: this machine) and decided once."""
         self._spec = spec
-        self._layout: InputLayout = "views" if spec is None else self.input_layout(spec)
+        self._binding: Binding | None = None
+        self._elsewhere: dict[Platform, Binding] = {}
+        self._forward: ForwardPath | None = None
+        if spec is None:
+            return
+        if platform is None:
+            platform = detect_platform(extra_libraries=self.capabilities.requires)
+        reasons = self.supports(spec, platform)
+        if reasons:
+            raise NoBackendError(
+                f"{self.name} cannot serve this spec on {platform}: "
+                + "; ".join(map(str, reasons))
+                + "; use attn_backends.select(spec) to pick a backend that can",
+                [(self.name, reasons)],
+            )
+        binding = self._decide(spec, platform)
+        self._binding = binding
+        # attend() is typed for PrefillPlan; graph plans reach it only for backends that
+        # declared graph mode (`prepare_graph` refuses the others), hence the wider type.
+        self._forward = ForwardPath(self.name, spec, binding.layout, cast(Kernel, self))
 
     @property
     def spec(self) -> AttentionSpec | None:
@@ -76,21 +166,56 @@ class PrefillBackend(ABC):
         """Backend-specific refusals beyond the declared capabilities."""
         return []
 
-    def bind(self, spec: AttentionSpec) -> PrefillBackend:
-        return type(self)(spec)
+    def bind(self, spec: AttentionSpec, platform: Platform | None = None) -> PrefillBackend:
+        """A new instance bound to ``spec``: `NoBackendError` with the reasons when
+        ``supports`` refuses it on ``platform`` (default: this machine's accelerator, else the
+        CPU); otherwise everything the spec decides is resolved once (`binding`)."""
+        return type(self)(spec, platform)
+
+    # The decision ---------------------------------------------------------------------------
+
+    def kernel_variant(self, spec: AttentionSpec, platform: Platform) -> object:
+        """A backend's own choice that depends only on the spec and the platform (a kernel
+        implementation, an entry point), made once at bind and kept in `Binding.variant`."""
+        return None
+
+    def _decide(self, spec: AttentionSpec, platform: Platform) -> Binding:
+        caps = self.capabilities
+        unfused = resolve_preprocess(spec, platform, False)
+        fused = resolve_preprocess(spec, platform, True) if caps.fused_rope else None
+        return Binding(
+            spec=spec,
+            platform=platform,
+            layout=self.input_layout(spec),
+            unfused=unfused,
+            fused=fused if fused is not None and fused.mode == "fused" else None,
+            fused_max_seqlen=caps.fused_rope_max_seqlen,
+            variant=self.kernel_variant(spec, platform),
+        )
+
+    @property
+    def binding(self) -> Binding:
+        """The decision made when this instance was bound (raises when unbound)."""
+        binding = self._binding
+        if binding is None:
+            self.bound_spec()  # raises the named error
+            raise AssertionError  # unreachable: a bound instance has a binding
+        return binding
+
+    def binding_on(self, platform: Platform) -> Binding:
+        """The decision for ``platform``: the bound one for the platform it was bound for
+        (always, in an engine), else made once for that platform and kept (a dry-run
+        binding run on the device at hand, a test's CPU stand-in for a GPU library)."""
+        bound = self.binding
+        if platform == bound.platform:
+            return bound
+        known = self._elsewhere.get(platform)
+        if known is None:
+            known = self._elsewhere.setdefault(platform, self._decide(bound.spec, platform))
+        return known
 
     def describe(self, platform: Platform) -> dict[str, str]:
-        spec = self.bound_spec()
-        caps = self.capabilities
-        rope = resolve_preprocess(spec, platform, caps.fused_rope)
-        details = {**rope.details(), "input_layout": self.input_layout(spec)}
-        if rope.mode == "fused" and caps.fused_rope_max_seqlen is not None:
-            longer = resolve_preprocess(spec, platform, False)
-            details["preprocess"] = (
-                f"fused for batches of max_seqlen <= {caps.fused_rope_max_seqlen}, "
-                f"else {longer.mode}"
-            )
-        return details
+        return self.binding_on(platform).details()
 
     def bound_spec(self) -> AttentionSpec:
         if self._spec is None:
@@ -100,41 +225,28 @@ class PrefillBackend(ABC):
             )
         return self._spec
 
-    def _refuse_fp8_rotation(self, spec: AttentionSpec, mode: str) -> None:
-        if spec.is_fp8 and is_separate(mode) and not self.capabilities.fp8_preprocess:
-            raise NoBackendError(
-                f"{self.name}: RoPE/logn on FP8 input would rotate stored FP8 values in place; "
-                "apply them before quantising, or use a backend that declares fp8_preprocess"
-            )
-
     def prepare(self, params: FMHAParams) -> PrefillPlan:
         spec = self.bound_spec()
         if not isinstance(params, FMHAParams):
             raise ParamsError(f"prepare() takes FMHAParams, got {type(params).__name__}")
-        fused = self.capabilities.fuses_rope(spec, params.max_seqlen_q)
-        self._refuse_fp8_rotation(
-            spec, resolve_preprocess(spec, platform_of(params.device), fused).mode
-        )
+        choice = self.binding_on(platform_of(params.device)).choice_for(params.max_seqlen_q)
+        fused = choice.mode == "fused"
         try:
             kernel = self.plan_kernel(spec, params, fused_rope=fused)
         except AttentionBackendError:
             raise
         except Exception as exc:
             raise _named_failure(self.name, "plan_kernel", exc) from exc
-        return prepare_plan(self.name, spec, params, fused, kernel)
+        return prepare_plan(self.name, spec, params, choice, kernel)
 
     def forward(
         self, qkv: QKVInput, plan: PrefillPlan | GraphPlan, *, fp8_scales: Fp8Scales | None = None
     ) -> torch.Tensor:
-        spec = self._spec
-        if spec is None:
-            spec = self.bound_spec()
-        # A graph plan reaches ``attend`` only for backends that declared graph mode and take
-        # it (`prepare_graph` refuses the others), hence the wider callable type.
-        attend = cast(AttendFn, self.attend)
-        return run_forward(
-            self.name, spec, qkv, plan, fp8_scales, self._layout, attend, self.accepts_rows
-        )
+        path = self._forward
+        if path is None:
+            self.bound_spec()  # raises the named error
+            raise AssertionError  # unreachable: a bound instance has its path
+        return path.run(qkv, plan, fp8_scales)
 
     def accepts_rows(self, rows: torch.Tensor) -> bool:
         """Whether the kernel can read these packed rows in place (e.g. an alignment rule); if
@@ -180,8 +292,8 @@ class PrefillBackend(ABC):
             dev = indexed(device if device is not None else "cuda")
         except (RuntimeError, TypeError, AssertionError) as exc:
             raise ParamsError(f"device {device!r} cannot hold a graph plan: {exc}") from None
-        fused = self.capabilities.fuses_rope(spec, bucket.seqlen_limit)
-        choice = resolve_preprocess(spec, platform_of(dev), fused)
+        choice = self.binding_on(platform_of(dev)).choice_for(bucket.seqlen_limit)
+        fused = choice.mode == "fused"
         mode = choice.mode
         reasons = self.graph_reasons(spec, dev)
         if mode not in GRAPH_MODES:
@@ -202,7 +314,6 @@ class PrefillBackend(ABC):
                 f"{self.name} cannot serve graph mode here: " + "; ".join(map(str, reasons)),
                 [(self.name, reasons)],
             )
-        self._refuse_fp8_rotation(spec, mode)
         try:
             kernel = self.plan_graph_kernel(spec, bucket, dev, fused_rope=fused)
             self.replan_graph_kernel(spec, kernel, slot_lengths(bucket, ()))

@@ -22,17 +22,14 @@ import math
 import threading
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
 
 import torch
 
 from ._errors import ParamsError
+from ._geometry import BufferMemo
 from ._params import FMHAParams
-
-if TYPE_CHECKING:
-    from ._contract import BufferMemo
-    from ._preprocess import PreprocessMode
-    from ._spec import AttentionSpec
+from ._preprocess import PreprocessMode, is_separate
+from ._spec import AttentionSpec
 
 PAD_CHUNK = 64
 """Longest padding sequence: padding rows cost at most this many keys each."""
@@ -144,6 +141,8 @@ class GraphPlan:
         self.bucket = bucket
         self.device = device
         self.preprocess: PreprocessMode = preprocess
+        self.rotates = is_separate(preprocess)
+        """``preprocess`` is a separate pass that writes the caller's buffer."""
         self.kernel = kernel
         """Backend-owned graph state (fixed buffers, a CUDA-graph wrapper...)."""
         self.memo = memo

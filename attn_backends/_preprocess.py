@@ -13,7 +13,7 @@ better-ranked ones could not.
 from __future__ import annotations
 
 import threading
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -55,6 +55,14 @@ class PreprocessChoice:
     fallback: str | None = None
     """Why the better-ranked passes before ``mode`` could not serve (None: none skipped);
     shown in the decision record as ``preprocess_fallback``."""
+    rope_pass: RopePass | None = field(default=None, compare=False, repr=False)
+    """The pass object that runs ``mode`` (None for "none" and "fused"): plans hold it, so a
+    layer runs it without looking a name up."""
+
+    @property
+    def rotates(self) -> bool:
+        """Whether this choice writes the caller's buffer (a separate pass)."""
+        return self.rope_pass is not None
 
     def details(self) -> dict[str, str]:
         """Entries for a backend's ``describe()``."""
@@ -164,7 +172,7 @@ def choose_preprocess(
             if platform.assumed and candidate is NATIVE:
                 why += " (dry run: built on first use)"
             fallback = "; ".join(skipped) if skipped else None
-            return PreprocessChoice(candidate.name, why, fallback)
+            return PreprocessChoice(candidate.name, why, fallback, candidate)
         skipped.append(f"{candidate.name}: {problem}")
     raise AssertionError(f"no RoPE/logn pass in {names}")  # torch always fits
 
@@ -216,16 +224,46 @@ def clear_preprocess_cache() -> None:
 def prepare_tables(
     mode: PreprocessMode, spec: AttentionSpec, params: FMHAParams
 ) -> PositionTables | None:
-    """Host work of one batch: only the torch pass needs per-token tables.
+    """Host work of one batch: the torch pass's per-token tables, for every plan that rotates.
 
-    The native kernel derives positions from ``cu_seqlens``; flashinfer reads
-    ``params.positions`` (int32 on the device), which `FMHAParams` already holds.
+    A plan whose packed pass is native or flashinfer (which derive positions on the device)
+    still needs them: separate ``(q, k, v)`` input and buffers a pass refuses go through the
+    torch pass, and building them per layer would add host work and a host-to-device copy to
+    every layer. ``None`` for a plan that writes nothing.
     """
-    return (
-        build_position_tables(spec, params.positions, params.max_seqlen_q)
-        if mode == "torch"
-        else None
-    )
+    if not is_separate(mode):
+        return None
+    return build_position_tables(spec, params.positions, params.max_seqlen_q)
+
+
+def pass_named(mode: PreprocessMode) -> RopePass:
+    """The registered pass called ``mode`` (for callers holding a name, not a plan)."""
+    chosen = find_rope_pass(mode)
+    if chosen is None:
+        raise SpecError(f"no RoPE pass named {mode!r} is registered")
+    return chosen
+
+
+def run_rope_pass(
+    rope_pass: RopePass,
+    packed: torch.Tensor,
+    spec: AttentionSpec,
+    params: FMHAParams,
+    tables: PositionTables | None,
+) -> None:
+    """Run ``rope_pass`` on the Q|K columns of the valid rows of ``packed``, in place.
+
+    The torch pass uses the plan's ``tables``. A buffer another pass cannot take (a plugin's
+    alignment rule) goes through the torch pass too: correct, slower, and only for such
+    unusual buffers (tables built on the spot only where the caller has none).
+    """
+    if rope_pass is TORCH and tables is not None:
+        _apply_torch(packed, spec, params, tables)
+    elif not rope_pass.apply(packed, spec, params):
+        if tables is None:
+            apply_torch_pass(packed, spec, params)
+        else:
+            _apply_torch(packed, spec, params, tables)
 
 
 def apply_preprocess(
@@ -235,19 +273,8 @@ def apply_preprocess(
     params: FMHAParams,
     tables: PositionTables | None,
 ) -> None:
-    """Run the separate pass ``mode`` on the Q|K columns of the valid rows of ``packed``.
-
-    A buffer the chosen pass cannot take (a plugin's alignment rule) goes through torch, with
-    tables built on the spot: correct, slower, and only for such unusual buffers.
-    """
-    if mode == "torch" and tables is not None:
-        _apply_torch(packed, spec, params, tables)
-        return
-    chosen = find_rope_pass(mode)
-    if chosen is None:
-        raise SpecError(f"no RoPE pass named {mode!r} is registered")
-    if not chosen.apply(packed, spec, params):
-        apply_torch_pass(packed, spec, params)
+    """`run_rope_pass` for the pass registered as ``mode`` (plans hold the pass itself)."""
+    run_rope_pass(pass_named(mode), packed, spec, params, tables)
 
 
 def apply_graph_preprocess(

@@ -43,8 +43,9 @@ class NoCachePrefill(Protocol):
         """Every reason this backend cannot serve ``spec`` on ``platform``; empty if it can."""
         ...
 
-    def bind(self, spec: AttentionSpec) -> NoCachePrefill:
-        """A new instance bound to ``spec``; ``supports`` has already returned no reason."""
+    def bind(self, spec: AttentionSpec, platform: Platform | None = None) -> NoCachePrefill:
+        """A new instance bound to ``spec`` for ``platform`` (None: this machine). It refuses,
+        with `NoBackendError` and the reasons, a spec ``supports`` refuses there."""
         ...
 
     def describe(self, platform: Platform) -> dict[str, str]:

@@ -1,7 +1,8 @@
 """RoPE and logn scaling applied in place on the packed QKV buffer, with torch ops.
 
-`build_position_tables` runs once per batch (in ``prepare``); `apply_rope_logn` runs once per
-layer on the Q|K columns of the valid rows. Padding rows and V are never touched.
+`build_position_tables` runs once per batch (in ``prepare``, for every plan that rotates);
+`apply_rope_logn` runs once per layer on the Q|K columns of the valid rows. Padding rows and V
+are never touched.
 """
 
 from __future__ import annotations
@@ -36,11 +37,12 @@ def build_position_tables(
     pos = positions.to(torch.float64)
     cos = sin = logn = None
     if spec.rope is not None:
+        # Built on the host, then copied without blocking: pageable memory is staged before
+        # the call returns, and the copy is ordered on the current stream (no device sync).
         inv_freq = torch.tensor(
             rope_frequencies(spec, seq_len if seq_len is not None else _longest(positions)),
             dtype=torch.float64,
-            device=pos.device,
-        )
+        ).to(pos.device, non_blocking=True)
         angles = pos[:, None] * inv_freq[None, :]
         factor = spec.rope.scaling.attention_scaling if spec.rope.scaling is not None else 1.0
         cos = (angles.cos() * factor).to(torch.float32)[:, None, :]

@@ -549,12 +549,13 @@ def select_request(request: SelectRequest, *, registry: Registry | None = None) 
 _Winner = tuple[NoCachePrefill, tuple[tuple[str, str], ...], CanaryResult]
 
 
-def _bind(entry: BackendEntry, spec: AttentionSpec) -> NoCachePrefill | Reason:
-    """``entry.backend.bind(spec)``, refused unless it is the same backend: same class, same
-    name (else the record, and the engine, would run something other than what was judged)."""
+def _bind(entry: BackendEntry, spec: AttentionSpec, platform: Platform) -> NoCachePrefill | Reason:
+    """``entry.backend.bind(spec, platform)``, refused unless it is the same backend: same
+    class, same name (else the record, and the engine, would run something other than what was
+    judged)."""
     backend = entry.backend
     try:
-        bound = backend.bind(spec)
+        bound = backend.bind(spec, platform)
         kind = type(bound)
         name: object = bound.name if kind is type(backend) else None
     except Exception as exc:
@@ -575,7 +576,7 @@ def _bind(entry: BackendEntry, spec: AttentionSpec) -> NoCachePrefill | Reason:
 
 def _try_winner(judged: _Judged, req: _Request) -> _Winner | Reason:
     """Bind the candidate and, in strict mode, run its canary; a failure becomes a reason."""
-    bound = _bind(judged.entry, req.spec)
+    bound = _bind(judged.entry, req.spec, req.platform)
     if isinstance(bound, Reason):
         return bound
     try:
@@ -599,7 +600,7 @@ def _try_winner(judged: _Judged, req: _Request) -> _Winner | Reason:
                 f"canary skipped: {req.platform} is a dry-run platform, nothing to run on",
             ),
         )
-    probe = _bind(judged.entry, req.spec)
+    probe = _bind(judged.entry, req.spec, req.platform)
     if isinstance(probe, Reason):
         return probe
     result = run_canary(probe, req.spec, req.canary_device)

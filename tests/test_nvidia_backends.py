@@ -217,7 +217,7 @@ def test_priorities(spec, platform, winner):
 
 def test_flashinfer_plans_once_per_batch_and_runs_on_views(fake, sm90):
     spec = spec_of(torch.bfloat16, causal=True)
-    backend = FlashinferBackend().bind(spec)
+    backend = FlashinferBackend().bind(spec, SM90)
     params, qkv = packed_input(spec, LENGTHS)
     plan = backend.prepare(params)
     buffers = [qkv.clone() for _ in range(3)]
@@ -270,7 +270,7 @@ def test_flashinfer_plans_once_per_batch_and_runs_on_views(fake, sm90):
 @pytest.mark.parametrize("causal", [True, False])
 def test_flashinfer_mask_and_scale_reach_the_plan(fake, sm90, causal):
     spec = spec_of(torch.float16, heads=(4, 4), dim=64, causal=causal, softmax_scale=0.2)
-    backend = FlashinferBackend().bind(spec)
+    backend = FlashinferBackend().bind(spec, SM90)
     params, qkv = packed_input(spec, (9, 4))
     run_layers(backend, spec, params, qkv)
     a = fake.named(PLAN)[0].args
@@ -281,7 +281,7 @@ def test_flashinfer_mask_and_scale_reach_the_plan(fake, sm90, causal):
 def test_flashinfer_rope_fuses_rope_only_when_the_kernel_can(fake, sm90):
     theta = 1e6
     spec = spec_of(rope=ab.RopeSpec(theta))
-    backend = FlashinferRopeBackend().bind(spec)
+    backend = FlashinferRopeBackend().bind(spec, SM90)
     params, qkv = packed_input(spec, LENGTHS)
     buf = qkv.clone()
     plan = backend.prepare(params)
@@ -300,7 +300,7 @@ def test_flashinfer_rope_fuses_rope_only_when_the_kernel_can(fake, sm90):
     ]
     for rope, extra in cases:
         other = spec_of(rope=rope, **extra)
-        backend = FlashinferRopeBackend().bind(other)
+        backend = FlashinferRopeBackend().bind(other, SM90)
         params, qkv = packed_input(other, LENGTHS)
         assert backend.prepare(params).preprocess == "torch"
         run_layers(backend, other, params, qkv)
@@ -314,7 +314,7 @@ def test_flashinfer_rope_fuses_short_batches_and_runs_long_ones_separately(fake,
     spec = spec_of(rope=ab.RopeSpec(1e6))
     limit = FlashinferRopeBackend.capabilities.fused_rope_max_seqlen
     assert limit is not None
-    backend = FlashinferRopeBackend().bind(spec)
+    backend = FlashinferRopeBackend().bind(spec, SM90)
     short_params, short_qkv = packed_input(spec, (limit, 3, 1))
     long_params, long_qkv = packed_input(spec, (limit + 1, 5), seed=1)
 
@@ -397,7 +397,7 @@ def test_plans_are_values_whatever_is_prepared_meanwhile(fake, sm90, name):
 @pytest.mark.parametrize("name", ["flashinfer", "trt"])
 def test_misaligned_rows_are_copied_once_not_read_wrongly(fake, sm90, name):
     spec = spec_of(heads=(4, 4), dim=64, causal=False)
-    backend = (FlashinferBackend() if name == "flashinfer" else TrtBackend()).bind(spec)
+    backend = (FlashinferBackend() if name == "flashinfer" else TrtBackend()).bind(spec, SM90)
     params, qkv = packed_input(spec, (7, 5), pad=0)
     flat = torch.empty(qkv.numel() + 1, dtype=qkv.dtype)
     shifted = flat[1:].view(qkv.shape)  # two bytes past an aligned address
@@ -414,7 +414,7 @@ def test_misaligned_rows_are_copied_once_not_read_wrongly(fake, sm90, name):
 
 def test_trt_gets_dense_packed_rows_without_a_copy(fake):
     spec = spec_of(torch.float16, heads=(4, 4), dim=64, causal=False)
-    backend = TrtBackend().bind(spec)
+    backend = TrtBackend().bind(spec, SM90)
     params, qkv = packed_input(spec, LENGTHS)
     buf = qkv.clone()
     check_numbers(backend.forward(buf, backend.prepare(params)), qkv, spec, params)
@@ -433,7 +433,7 @@ def test_trt_gets_dense_packed_rows_without_a_copy(fake):
 
 def test_trt_copies_a_strided_buffer_once(fake):
     spec = spec_of(torch.bfloat16, heads=(4, 4), dim=64, causal=True)
-    backend = TrtBackend().bind(spec)
+    backend = TrtBackend().bind(spec, SM90)
     params, qkv = packed_input(spec, (9, 3))
     wide = torch.zeros(qkv.shape[0], spec.qkv_width + 48, dtype=qkv.dtype)
     strided = wide[:, 24 : 24 + spec.qkv_width]

@@ -68,7 +68,7 @@ def test_a_failing_rope_pass_says_the_input_may_have_changed(monkeypatch):
     def broken(*args, **kwargs):
         raise RuntimeError("launch failed")
 
-    monkeypatch.setattr(_contract, "apply_preprocess", broken)
+    monkeypatch.setattr(_contract, "run_rope_pass", broken)
     params = params_of()
     backend = TorchSdpaBackend(ROPE)
     with pytest.raises(ab.BackendFailure, match="MAY HAVE BEEN MODIFIED") as info:

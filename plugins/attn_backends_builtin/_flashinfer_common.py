@@ -37,6 +37,20 @@ class KernelChoice:
     reason: str
 
 
+@dataclass(frozen=True)
+class KernelVariant:
+    """A bound spec's fa2/fa3 choice on one architecture, per fusion case, made at bind."""
+
+    sm: int | None
+    cases: tuple[tuple[bool, KernelChoice], ...]
+    """``(fused_rope, choice)`` for each case the spec's batches can take, the fused one
+    first; one case unless fusing depends on the batch's length."""
+
+    def kernel(self, fused_rope: bool) -> KernelChoice | None:
+        """The choice for batches that do (or do not) fuse RoPE; None for a case not bound."""
+        return next((choice for fused, choice in self.cases if fused == fused_rope), None)
+
+
 def choose_kernel(spec: AttentionSpec, sm: int | None, fused_rope: bool) -> KernelChoice:
     """fa3 where flashinfer has it (sm90, 16-bit, head dim 64/128/256, no fused RoPE), else fa2.
 

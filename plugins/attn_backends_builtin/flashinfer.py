@@ -74,6 +74,7 @@ from ._flashinfer_common import (
     CompletionMarker,
     JitModule,
     KernelChoice,
+    KernelVariant,
     StreamBuffers,
     StreamKey,
     choose_kernel,
@@ -242,16 +243,36 @@ class FlashinferBackend(PrefillBackend):
             return (False,)
         return (True,) if caps.fused_rope_max_seqlen is None else (True, False)
 
+    def kernel_variant(self, spec: AttentionSpec, platform: Platform) -> KernelVariant:
+        """fa2 or fa3 for each fusion case of ``spec`` on ``platform``, decided at bind."""
+        sm = platform.sm
+        return KernelVariant(
+            sm, tuple((fused, choose_kernel(spec, sm, fused)) for fused in self._fusion_cases(spec))
+        )
+
+    def _kernel_for(self, sm: int | None, fused_rope: bool) -> KernelChoice:
+        """The bound decision for a device of architecture ``sm`` (every device of the bound
+        platform); chosen here only for a device of another architecture."""
+        variant = self.binding.variant
+        if isinstance(variant, KernelVariant) and variant.sm == sm:
+            bound = variant.kernel(fused_rope)
+            if bound is not None:
+                return bound
+        return choose_kernel(self.bound_spec(), sm, fused_rope)
+
     def describe(self, platform: Platform) -> dict[str, str]:
         spec = self.bound_spec()
-        cases = self._fusion_cases(spec)
-        choices = [choose_kernel(spec, platform.sm, fused) for fused in cases]
+        binding = self.binding_on(platform)
+        variant = binding.variant
+        assert isinstance(variant, KernelVariant)  # made by kernel_variant above
+        cases = variant.cases
+        choices = [choice for _, choice in cases]
         details = {
-            **super().describe(platform),
+            **binding.details(),
             "kernel": KERNEL,
             "flashinfer_backend": choices[0].backend,
             "flashinfer_backend_reason": choices[0].reason,
-            "pos_encoding_mode": _pos_encoding(spec, cases[0]),
+            "pos_encoding_mode": _pos_encoding(spec, cases[0][0]),
             "workspace_bytes": str(WORKSPACE_BYTES),
             "plan_state": "a pooled wrapper per plan; float workspace per device and stream",
         }
@@ -322,7 +343,7 @@ class FlashinferBackend(PrefillBackend):
     def plan_kernel(
         self, spec: AttentionSpec, params: FMHAParams, *, fused_rope: bool
     ) -> RaggedPlan:
-        choice = choose_kernel(spec, device_sm(params.device), fused_rope)
+        choice = self._kernel_for(device_sm(params.device), fused_rope)
         announce_first_use(jit_module(spec, choice, fused_rope))
         stream = stream_key(params.device)
         key: PoolKey = (stream[0], stream[1], choice.backend)
@@ -342,7 +363,7 @@ class FlashinferBackend(PrefillBackend):
     ) -> GraphRagged:
         import flashinfer  # lazily: a GPU library
 
-        choice = choose_kernel(spec, device_sm(device), fused_rope)
+        choice = self._kernel_for(device_sm(device), fused_rope)
         announce_first_use(jit_module(spec, choice, fused_rope))
         indptr = torch.zeros(bucket.slots + 1, dtype=torch.int32, device=device)
         wrapper = flashinfer.BatchPrefillWithRaggedKVCacheWrapper(
