@@ -33,7 +33,9 @@ import torch
 
 from ._checks import Fp8Scales as Fp8Scales
 from ._checks import QKVInput as QKVInput
-from ._checks import SeparateQKV, check_fp8_scales, check_packed, check_writable, fail
+from ._checks import SeparateQKV, check_writable, fail
+from ._checks import check_fp8_scales as check_fp8_scales
+from ._checks import check_packed as check_packed
 from ._checks import unpack_packed as unpack_packed
 from ._checks import unpack_tuple as unpack_tuple
 from ._dtypes import dtype_name
@@ -372,9 +374,9 @@ class ForwardPath:
                 "the packed buffer in graph mode (a captured graph reads one fixed buffer)",
             )
         signature = separate_signature(first)
-        geo = plan.memo.get(signature) if signature is not None else None
-        if geo is None:
-            geo = separate_geometry(
+        seen = plan.memo.get(signature) if signature is not None else None
+        if seen is None:
+            seen = separate_geometry(
                 first,
                 self._spec,
                 plan.params,
@@ -383,8 +385,8 @@ class ForwardPath:
                 writes=plan.rotates,
             )
             if signature is not None:
-                plan.memo.put(signature, geo)
-        return None, first, geo
+                plan.memo.put(signature, seen)
+        return None, first, seen
 
     # The in-place pass and the cut ----------------------------------------------------------
 

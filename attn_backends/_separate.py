@@ -146,10 +146,9 @@ def check_separate(
 
 
 def _grid(view: torch.Tensor) -> Grid:
-    size, stride = view.shape, view.stride()
-    return Grid(
-        (size[0], size[1], size[2]), (stride[0], stride[1], stride[2]), view.storage_offset()
-    )
+    rows, heads, dim = (int(n) for n in view.shape)
+    row_stride, head_stride, unit = view.stride()
+    return Grid((rows, heads, dim), (row_stride, head_stride, unit), int(view.storage_offset()))
 
 
 def separate_geometry(

@@ -177,7 +177,7 @@ def test_aiter_is_imported_only_by_prepare_and_failures_are_named(monkeypatch):
     importlib.reload(_aiter_common)
     module = importlib.reload(aiter_plugin)
     spec = spec_of()
-    backend = module.AiterAsmBackend().bind(spec)
+    backend = module.AiterAsmBackend().bind(spec, GFX942)
     assert backend.supports(spec, GFX942) == []
     assert "aiter" not in sys.modules
     params = ab.FMHAParams.from_lengths([3], device="cpu")
@@ -506,7 +506,7 @@ def test_prepare_reads_each_signature_once_and_forward_only_launches(fake, monke
     params = ab.FMHAParams.from_lengths([4, 9], device="cpu")
     plan = backend.prepare(params)
     backend.prepare(params)
-    aiter_plugin.AiterNonAsmBackend().bind(spec).prepare(params)
+    aiter_plugin.AiterNonAsmBackend().bind(spec, GFX942).prepare(params)
     assert reads == ["mha_varlen_fwd"]
     assert fake.calls == [] and fake.accessed == ["mha_varlen_fwd"] * 3
     qkv = torch.randn(params.rows, spec.qkv_width, generator=torch.Generator().manual_seed(1))

@@ -1256,7 +1256,7 @@ def _graph_target(spec: AttentionSpec, params: FMHAParams) -> GraphTarget:
     CUDA, so the selector would refuse it here; the plan itself does not)."""
     from attn_backends_builtin.flashinfer import FlashinferBackend
 
-    backend = FlashinferBackend().bind(spec)
+    backend = FlashinferBackend().bind(spec, CUDA_WITH_FLASHINFER)
     assert isinstance(backend, FlashinferBackend)
     target = open_graph(GraphChoice("flashinfer", backend, {"selected_by": "explicit"}), params)
     assert isinstance(target, GraphTarget)

@@ -606,8 +606,10 @@ class _BindsOther(torch_sdpa.TorchSdpaBackend):
     name = "binds-other"
     capabilities = _EAGER
 
-    def bind(self, spec: ab.AttentionSpec) -> ab.PrefillBackend:
-        return torch_sdpa.TorchSdpaBackend(spec)
+    def bind(
+        self, spec: ab.AttentionSpec, platform: ab.Platform | None = None
+    ) -> ab.PrefillBackend:
+        return torch_sdpa.TorchSdpaBackend(spec, platform)
 
 
 def test_bind_must_return_the_same_backend() -> None:

@@ -1,0 +1,309 @@
+"""Binding is the one decision: ``bind`` refuses what ``supports`` refuses, decides the pass,
+the layout and the kernel variant once, and every later step reads that; separate ``(q, k, v)``
+input never rebuilds RoPE tables per layer and refuses aliased q/k before any write."""
+
+from __future__ import annotations
+
+from dataclasses import replace
+
+import pytest
+import torch
+from attn_backends_builtin.torch_sdpa import TorchSdpaBackend
+
+import attn_backends as ab
+from attn_backends import _backend, _contract, _native, _preprocess, _rope
+from attn_backends._contract import PrefillPlan
+
+CPU = ab.Platform(kind="cpu")
+ASSUMED_SM90 = ab.parse_platform("cuda:sm90")
+FAKE_SM90 = ab.Platform(kind="cuda", arch="sm90", libraries=(("flashinfer", "fake"),))
+ROPE = ab.AttentionSpec(4, 2, 16, torch.float32, causal=True, rope=ab.RopeSpec(1e4, 8))
+ROPE_MHA = ab.AttentionSpec(4, 4, 16, torch.float32, causal=True, rope=ab.RopeSpec(1e4, 8))
+PLAIN = ab.AttentionSpec(4, 2, 16, torch.float32, causal=True)
+LENGTHS = (3, 1, 5)
+ROWS = 11
+
+
+def params_of() -> ab.FMHAParams:
+    return ab.FMHAParams.from_lengths(LENGTHS, device="cpu", padded_rows=ROWS)
+
+
+# bind() refuses what supports() refuses -----------------------------------------------------
+
+
+class _NoSoftcap(TorchSdpaBackend):
+    """torch-sdpa as it was: no soft-cap declared, and none in its kernel call, so bound to a
+    soft-capped spec it returned the numbers of the spec without it (relative error 0.55-0.71)."""
+
+    name = "no-softcap"
+    capabilities = replace(TorchSdpaBackend.capabilities, logit_softcap=False)
+
+
+def test_binding_an_unsupported_spec_raises_with_the_reasons():
+    spec = replace(PLAIN, logit_softcap=5.0)
+    assert _NoSoftcap().supports(spec, CPU)
+    for bind in (lambda: _NoSoftcap().bind(spec), lambda: _NoSoftcap(spec)):
+        with pytest.raises(ab.NoBackendError, match="logit_softcap") as info:
+            bind()
+        ((name, reasons),) = info.value.reasons
+        assert name == "no-softcap" and reasons == tuple(_NoSoftcap().supports(spec, CPU))
+    bound = _NoSoftcap().bind(PLAIN)  # what it does declare binds
+    assert bound.spec == PLAIN and bound.binding.platform.kind == "cpu"
+
+
+def test_every_registered_backend_binds_exactly_where_it_supports():
+    """torch-sdpa bound to a soft-capped spec returned relative errors of 0.55-0.71 before
+    bind checked; now no backend binds a spec its own supports() refuses."""
+    specs = [
+        PLAIN,
+        ROPE,
+        replace(PLAIN, logit_softcap=5.0),
+        replace(PLAIN, window=ab.SlidingWindow(2, 0)),
+        ab.AttentionSpec(4, 2, 16, torch.bfloat16, causal=False),
+    ]
+    registry = ab.get_registry()
+    for entry in registry.entries():
+        for spec in specs:
+            for platform in (CPU, ASSUMED_SM90):
+                reasons = entry.backend.supports(spec, platform)
+                if reasons:
+                    with pytest.raises(ab.NoBackendError) as info:
+                        entry.backend.bind(spec, platform)
+                    assert info.value.reasons[0][1] == tuple(reasons), entry.name
+                else:
+                    assert entry.backend.bind(spec, platform).spec == spec, entry.name
+
+
+def test_select_binds_for_the_requested_platform():
+    """A dry run for a GPU binds the GPU backend there, and the record is that binding's."""
+    selection = ab.select(ROPE, platform="cuda:sm90", backend="torch-sdpa")
+    backend = selection.backend
+    assert isinstance(backend, ab.PrefillBackend)
+    assert backend.binding.platform == selection.platform
+    assert backend.binding.preprocess.mode == "native"  # dry run on CUDA: the native pass
+    assert backend.binding.details().items() <= dict(selection.details).items()
+
+
+# The decision is made once -------------------------------------------------------------------
+
+
+@pytest.fixture
+def resolutions(monkeypatch) -> list[tuple[ab.AttentionSpec, bool]]:
+    """Every pass resolution a backend asks for, and every pass looked up by name."""
+    calls: list[tuple[ab.AttentionSpec, bool]] = []
+    real = _backend.resolve_preprocess
+
+    def counting(spec, platform, fused_rope):
+        calls.append((spec, fused_rope))
+        return real(spec, platform, fused_rope)
+
+    def no_lookup(mode):
+        raise AssertionError(f"the pass {mode!r} was looked up by name")
+
+    monkeypatch.setattr(_backend, "resolve_preprocess", counting)
+    monkeypatch.setattr(_preprocess, "pass_named", no_lookup)
+    monkeypatch.setattr(_contract, "pass_named", no_lookup)
+    return calls
+
+
+def test_prepare_describe_and_forward_decide_nothing_again(resolutions):
+    backend = TorchSdpaBackend().bind(ROPE, CPU)
+    assert resolutions == [(ROPE, False)]  # torch-sdpa fuses nothing: one resolution
+    binding = backend.binding
+    assert binding.preprocess.mode == "torch" and binding.preprocess.rope_pass is _preprocess.TORCH
+    assert binding.layout == "views" and binding.separate_qkv_pass == "torch"
+    params = params_of()
+    for _ in range(3):
+        plan = backend.prepare(params)
+        assert plan.rope_pass is _preprocess.TORCH and plan.tables is not None
+        for _ in range(3):
+            qkv = torch.randn(ROWS, ROPE.qkv_width)
+            pristine = qkv.clone()
+            out = backend.forward(qkv, plan)
+            ref = ab.reference_attention(pristine, ROPE, params)
+            assert ab.relative_error(out, ref) < ab.TOLERANCE[torch.float32]
+    assert backend.describe(CPU) == binding.details()
+    assert resolutions == [(ROPE, False)]
+
+
+def test_a_fusing_backend_decides_both_cases_once_and_picks_per_batch(resolutions):
+    flashinfer = pytest.importorskip("attn_backends_builtin.flashinfer")
+    spec = ab.AttentionSpec(8, 2, 128, torch.bfloat16, causal=True, rope=ab.RopeSpec(1e6))
+    binding = flashinfer.FlashinferRopeBackend().bind(spec, FAKE_SM90).binding
+    assert sorted(fused for _, fused in resolutions) == [False, True]
+    limit = flashinfer.FUSED_ROPE_MAX_SEQLEN
+    assert binding.fused is not None and binding.fused_max_seqlen == limit
+    assert binding.choice_for(limit).mode == "fused"
+    assert binding.choice_for(limit + 1) is binding.unfused
+    assert binding.unfused.rope_pass is not None  # a separate pass object, not a name
+    variant = binding.variant
+    assert isinstance(variant, flashinfer.KernelVariant) and variant.sm == 90
+    assert [(fused, c.backend) for fused, c in variant.cases] == [(True, "fa2"), (False, "fa3")]
+    unfusable = replace(spec, rope=ab.RopeSpec(1e6, 64))  # partial rotary: never fused
+    resolutions.clear()
+    assert flashinfer.FlashinferRopeBackend().bind(unfusable, FAKE_SM90).binding.fused is None
+    assert len(resolutions) == 2
+
+
+def test_flashinfer_plans_with_the_bound_kernel_choice(monkeypatch):
+    flashinfer = pytest.importorskip("attn_backends_builtin.flashinfer")
+    from tests.fakes.fake_flashinfer import install
+
+    fake = install(monkeypatch)
+    monkeypatch.setattr(flashinfer, "device_sm", lambda device: 90)
+    spec = ab.AttentionSpec(8, 2, 128, torch.bfloat16, causal=True)
+    backend = flashinfer.FlashinferBackend().bind(spec, FAKE_SM90)
+    chosen: list[object] = []
+    real = flashinfer.choose_kernel
+
+    def counting(*args):
+        chosen.append(args)
+        return real(*args)
+
+    monkeypatch.setattr(flashinfer, "choose_kernel", counting)
+    params = ab.FMHAParams.from_lengths((5, 7), device="cpu")
+    backend.prepare(params)
+    # The fake's tensors are on the CPU, a platform of its own: decided once for it too.
+    assert len(chosen) == 1
+    chosen.clear()
+    for _ in range(3):
+        backend.prepare(params)
+    assert chosen == [], "prepare read the kernel the binding chose"
+    inits = fake.named("BatchPrefillWithRaggedKVCacheWrapper.__init__")
+    assert inits and all(call.args["backend"] == "fa3" for call in inits)
+
+
+# Separate (q, k, v): tables per plan, the record says what runs ---------------------------------
+
+
+def test_separate_input_on_a_native_plan_builds_no_table_per_layer(monkeypatch):
+    """A plan whose packed pass is the native kernel (emulated on CPU: a CPU run always picks
+    the torch pass) served separate q, k, v by building the torch tables, with a host-to-device
+    copy on a GPU, on every layer. Tables are the plan's now, built once."""
+    builds: list[int] = []
+    real = _rope.rope_frequencies
+
+    def counting(spec, seq_len):
+        builds.append(seq_len)
+        return real(spec, seq_len)
+
+    def no_native(*args, **kwargs):
+        raise AssertionError("the native kernel works on packed rows only")
+
+    monkeypatch.setattr(_rope, "rope_frequencies", counting)
+    monkeypatch.setattr(_native, "rope_logn_", no_native)
+    backend = TorchSdpaBackend(ROPE)
+    params = params_of()
+    kernel = backend.prepare(params).kernel
+    builds.clear()
+    plan = PrefillPlan(backend.name, ROPE, params, "native", None, kernel)
+    built = len(builds)
+    layers = 4
+    for layer in range(layers):
+        gen = torch.Generator().manual_seed(layer)
+        packed = torch.randn(ROWS, ROPE.qkv_width, generator=gen)
+        q, k, v = (t.clone() for t in packed.split([ROPE.q_width, ROPE.kv_width, ROPE.kv_width], 1))
+        out = backend.forward((q, k, v), plan)
+        ref = ab.reference_attention(packed, ROPE, params)
+        assert ab.relative_error(out, ref) < ab.TOLERANCE[torch.float32]
+    assert len(builds) == built, f"{len(builds) - built} table builds over {layers} layers"
+    assert built == 1 and plan.tables is not None, "the plan built its tables, once"
+    assert plan.rope_pass is _preprocess.NATIVE
+
+
+def test_prepare_builds_tables_for_every_pass_that_rotates():
+    params = params_of()
+    for mode in ("native", "torch"):
+        assert _preprocess.prepare_tables(mode, ROPE, params) is not None
+    assert _preprocess.prepare_tables("fused", ROPE, params) is None
+    assert _preprocess.prepare_tables("none", PLAIN, params) is None
+
+
+def test_the_record_says_the_torch_pass_serves_separate_input():
+    backend = TorchSdpaBackend().bind(ROPE, ASSUMED_SM90)
+    details = backend.describe(ASSUMED_SM90)
+    assert details["preprocess"] == "native"
+    assert details["preprocess_separate_qkv"].startswith("torch")
+    assert backend.binding.separate_qkv_pass == "torch"
+    on_cpu = backend.describe(CPU)  # the same spec decided for the CPU: torch everywhere
+    assert on_cpu["preprocess"] == "torch" and "preprocess_separate_qkv" not in on_cpu
+
+
+# Aliasing among q, k and v -------------------------------------------------------------------
+
+
+def _aliased(name: str) -> tuple[ab.AttentionSpec, tuple[torch.Tensor, ...], str]:
+    gen = torch.Generator().manual_seed(3)
+
+    def rand(*shape: int) -> torch.Tensor:
+        return torch.randn(*shape, generator=gen)
+
+    spec = ROPE
+    q, k, v = rand(ROWS, 64), rand(ROWS, 32), rand(ROWS, 32)
+    if name == "k is v":
+        return spec, (q, k, k), "k and v are the same memory"
+    if name == "q a view of v":
+        v = rand(ROWS, 64)
+        return ROPE_MHA, (v.view(ROWS, 4, 16), rand(ROWS, 64), v), "q and v are the same memory"
+    if name == "q and k overlap columns":
+        wide = rand(ROWS, 64 + 32 - 16)
+        return spec, (wide[:, :64], wide[:, 48:], v), "q and k overlap in memory"
+    if name == "k and v overlap columns":
+        wide = rand(ROWS, 48)
+        return spec, (q, wide[:, :32], wide[:, 16:]), "k and v overlap in memory"
+    if name == "q overlaps v across rows":
+        flat = rand(ROWS * 64)
+        q = flat.view(ROWS, 64)
+        v = flat[100 : 100 + ROWS * 32].view(ROWS, 32)  # another row stride, inside q's rows
+        return spec, (q, k, v), "q and v overlap in memory"
+    if name == "q is k":
+        return spec, (q, q[:, :32], v), "q and k are the same memory"
+    raise AssertionError(name)
+
+
+ALIASED = [
+    "k is v",
+    "q a view of v",
+    "q and k overlap columns",
+    "k and v overlap columns",
+    "q overlaps v across rows",
+    "q is k",
+]
+
+
+@pytest.mark.parametrize("name", ALIASED)
+def test_aliased_inputs_are_refused_before_any_write(name):
+    spec, given, match = _aliased(name)
+    storages = {t.untyped_storage().data_ptr(): t for t in given}
+    bases = [t._base if t._base is not None else t for t in storages.values()]
+    before = [b.clone() for b in bases]
+    backend = TorchSdpaBackend(spec)
+    plan = backend.prepare(params_of())
+    for _ in range(2):  # the second call takes the memo: still refused
+        with pytest.raises(ab.PackedQKVError, match=match):
+            backend.forward(given, plan)
+    assert all(torch.equal(a, b) for a, b in zip(bases, before, strict=True)), "input written"
+
+
+def test_disjoint_column_slices_of_one_buffer_are_served():
+    gen = torch.Generator().manual_seed(4)
+    packed = torch.randn(ROWS, ROPE.qkv_width, generator=gen)
+    pristine = packed.clone()
+    q, k, v = packed.split([ROPE.q_width, ROPE.kv_width, ROPE.kv_width], 1)
+    backend = TorchSdpaBackend(ROPE)
+    params = params_of()
+    out = backend.forward((q, k, v), backend.prepare(params))
+    ref = ab.reference_attention(pristine, ROPE, params)
+    assert ab.relative_error(out, ref) < ab.TOLERANCE[torch.float32]
+    assert torch.equal(packed[:, ROPE.q_width + ROPE.kv_width :], pristine[:, -ROPE.kv_width :])
+
+
+def test_a_plan_that_writes_nothing_reads_aliased_inputs():
+    """Without RoPE or logn nothing is written, so k is v reads the same keys and values."""
+    gen = torch.Generator().manual_seed(5)
+    q, kv = torch.randn(ROWS, 64, generator=gen), torch.randn(ROWS, 32, generator=gen)
+    backend = TorchSdpaBackend(PLAIN)
+    params = params_of()
+    out = backend.forward((q, kv, kv), backend.prepare(params))
+    ref = ab.reference_attention(torch.cat((q, kv, kv), 1), PLAIN, params)
+    assert ab.relative_error(out, ref) < ab.TOLERANCE[torch.float32]
