@@ -20,7 +20,6 @@ from ._devices import indexed
 from ._dtypes import dtype_name
 from ._errors import PlatformError
 from ._params import FMHAParams
-from ._preprocess import is_separate
 from ._protocol import NoCachePrefill
 from ._reference import TOLERANCE, reference_attention, relative_error
 from ._spec import AttentionSpec
@@ -104,7 +103,7 @@ def run_canary(
     try:
         plan = backend.prepare(params)
         out = backend.forward(qkv, plan, fp8_scales=scales)
-        rotates = isinstance(plan, PrefillPlan) and is_separate(plan.preprocess)
+        rotates = isinstance(plan, PrefillPlan) and plan.rotates
     except Exception as exc:
         return CanaryResult("failed", f"canary raised {where}: {_describe_error(exc)}")
     expected = (tokens, spec.q_width)

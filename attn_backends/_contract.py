@@ -25,7 +25,7 @@ seen before pays for one dict lookup, a buffer not seen before is checked in ful
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Protocol, TypeAlias, cast
 
@@ -197,7 +197,6 @@ def _mark_modified(exc: AttentionBackendError, note: str) -> None:
 
 
 AnyPlan: TypeAlias = "PrefillPlan | GraphPlan"
-AttendFn = Callable[[QKVViews, AnyPlan], torch.Tensor]
 
 
 class Kernel(Protocol):

@@ -91,7 +91,7 @@ def test_select_binds_for_the_requested_platform():
 def resolutions(monkeypatch) -> list[tuple[ab.AttentionSpec, bool]]:
     """Every pass resolution a backend asks for, and every pass looked up by name."""
     calls: list[tuple[ab.AttentionSpec, bool]] = []
-    real = _backend.resolve_preprocess
+    real = _preprocess.resolve_preprocess
 
     def counting(spec, platform, fused_rope):
         calls.append((spec, fused_rope))
@@ -281,7 +281,7 @@ def test_aliased_inputs_are_refused_before_any_write(name):
     plan = backend.prepare(params_of())
     for _ in range(2):  # the second call takes the memo: still refused
         with pytest.raises(ab.PackedQKVError, match=match):
-            backend.forward(given, plan)
+            backend.forward(given, plan)  # type: ignore[arg-type]
     assert all(torch.equal(a, b) for a, b in zip(bases, before, strict=True)), "input written"
 
 
