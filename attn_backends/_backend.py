@@ -82,8 +82,8 @@ class Binding:
     """With ``fused``: only batches whose longest sequence has at most this many tokens fuse
     (None: every batch)."""
     variant: object = None
-    """The backend's own spec-level choice (`PrefillBackend.kernel_variant`: flashinfer's
-    fa2/fa3 per fusion case, aiter's entry point); None for backends with none."""
+    """The backend's own spec-level choice (`PrefillBackend.kernel_variant`, e.g. flashinfer's
+    fa2/fa3 per fusion case); None for backends with none."""
 
     def choice_for(self, max_seqlen: int) -> PreprocessChoice:
         """The pass of a batch whose longest sequence has ``max_seqlen`` tokens."""
@@ -198,8 +198,7 @@ class PrefillBackend(ABC):
         """The decision made when this instance was bound (raises when unbound)."""
         binding = self._binding
         if binding is None:
-            self.bound_spec()  # raises the named error
-            raise AssertionError  # unreachable: a bound instance has a binding
+            raise self._unbound()
         return binding
 
     def binding_on(self, platform: Platform) -> Binding:
@@ -219,11 +218,14 @@ class PrefillBackend(ABC):
 
     def bound_spec(self) -> AttentionSpec:
         if self._spec is None:
-            raise UnboundBackendError(
-                f"{self.name} is not bound to a spec; use attn_backends.select(spec) or "
-                "backend.bind(spec) first"
-            )
+            raise self._unbound()
         return self._spec
+
+    def _unbound(self) -> UnboundBackendError:
+        return UnboundBackendError(
+            f"{self.name} is not bound to a spec; use attn_backends.select(spec) or "
+            "backend.bind(spec) first"
+        )
 
     def prepare(self, params: FMHAParams) -> PrefillPlan:
         spec = self.bound_spec()
@@ -244,8 +246,7 @@ class PrefillBackend(ABC):
     ) -> torch.Tensor:
         path = self._forward
         if path is None:
-            self.bound_spec()  # raises the named error
-            raise AssertionError  # unreachable: a bound instance has its path
+            raise self._unbound()
         return path.run(qkv, plan, fp8_scales)
 
     def accepts_rows(self, rows: torch.Tensor) -> bool:
