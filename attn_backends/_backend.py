@@ -213,6 +213,16 @@ class PrefillBackend(ABC):
             known = self._elsewhere.setdefault(platform, self._decide(bound.spec, platform))
         return known
 
+    def _binding_for(self, device: torch.device) -> Binding:
+        """The decision for a batch on ``device``: the bound one on every device of the bound
+        platform (same kind, architecture and dry-run flag; a library probe taken at another
+        moment does not make another machine), else `binding_on` the device's platform."""
+        bound = self.binding
+        here, there = platform_of(device), bound.platform
+        if here.kind == there.kind and here.arch == there.arch and here.assumed == there.assumed:
+            return bound
+        return self.binding_on(here)
+
     def describe(self, platform: Platform) -> dict[str, str]:
         return self.binding_on(platform).details()
 
@@ -231,7 +241,7 @@ class PrefillBackend(ABC):
         spec = self.bound_spec()
         if not isinstance(params, FMHAParams):
             raise ParamsError(f"prepare() takes FMHAParams, got {type(params).__name__}")
-        choice = self.binding_on(platform_of(params.device)).choice_for(params.max_seqlen_q)
+        choice = self._binding_for(params.device).choice_for(params.max_seqlen_q)
         fused = choice.mode == "fused"
         try:
             kernel = self.plan_kernel(spec, params, fused_rope=fused)
@@ -293,7 +303,7 @@ class PrefillBackend(ABC):
             dev = indexed(device if device is not None else "cuda")
         except (RuntimeError, TypeError, AssertionError) as exc:
             raise ParamsError(f"device {device!r} cannot hold a graph plan: {exc}") from None
-        choice = self.binding_on(platform_of(dev)).choice_for(bucket.seqlen_limit)
+        choice = self._binding_for(dev).choice_for(bucket.seqlen_limit)
         fused = choice.mode == "fused"
         mode = choice.mode
         reasons = self.graph_reasons(spec, dev)

@@ -126,6 +126,16 @@ def test_prepare_describe_and_forward_decide_nothing_again(resolutions):
     assert resolutions == [(ROPE, False)]
 
 
+def test_a_default_binding_serves_every_batch_of_this_machine(resolutions):
+    """Bound for this machine as probed (its libraries listed), a batch on its device takes the
+    bound decision, though the device's platform is probed with another library list."""
+    backend = TorchSdpaBackend().bind(ROPE)
+    assert backend.binding.platform.kind == "cpu"
+    for _ in range(3):
+        backend.prepare(params_of())
+    assert resolutions == [(ROPE, False)]
+
+
 def test_a_fusing_backend_decides_both_cases_once_and_picks_per_batch(resolutions):
     flashinfer = pytest.importorskip("attn_backends_builtin.flashinfer")
     spec = ab.AttentionSpec(8, 2, 128, torch.bfloat16, causal=True, rope=ab.RopeSpec(1e6))
