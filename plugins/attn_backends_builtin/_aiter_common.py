@@ -171,14 +171,22 @@ class AiterVarlenBackend(PrefillBackend):
     def entry_point(self, spec: AttentionSpec) -> EntryPoint:
         """The aiter function this backend calls for ``spec``."""
 
+    def kernel_variant(self, spec: AttentionSpec, platform: Platform) -> EntryPoint:
+        """The aiter function for ``spec``, decided once at bind."""
+        return self.entry_point(spec)
+
+    def _entry(self) -> EntryPoint:
+        # kernel_variant above made the binding's variant: an EntryPoint.
+        return cast(EntryPoint, self.binding.variant)
+
     def plan_kernel(
         self, spec: AttentionSpec, params: FMHAParams, *, fused_rope: bool
     ) -> AiterPlan:
-        return make_plan(self.entry_point(spec), spec, params)
+        return make_plan(self._entry(), spec, params)
 
     def describe(self, platform: Platform) -> dict[str, str]:
         details = super().describe(platform)
-        entry = self.entry_point(self.bound_spec())
+        entry = self._entry()
         binding = last_binding(entry)
         details["aiter_entry"] = entry
         details["aiter_signature"] = (
