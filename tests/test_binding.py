@@ -36,7 +36,14 @@ class _NoSoftcap(TorchSdpaBackend):
     soft-capped spec it returned the numbers of the spec without it (relative error 0.55-0.71)."""
 
     name = "no-softcap"
-    capabilities = replace(TorchSdpaBackend.capabilities, logit_softcap=False)
+    capabilities = replace(
+        TorchSdpaBackend.capabilities,
+        features=tuple(
+            f
+            for f in TorchSdpaBackend.capabilities.features
+            if not isinstance(f, ab.SoftcapSupport)
+        ),
+    )
 
 
 def test_binding_an_unsupported_spec_raises_with_the_reasons():
