@@ -32,8 +32,9 @@ def params_of() -> ab.FMHAParams:
 
 
 class _NoSoftcap(TorchSdpaBackend):
-    """torch-sdpa as it was: no soft-cap declared, and none in its kernel call, so bound to a
-    soft-capped spec it returned the numbers of the spec without it (relative error 0.55-0.71)."""
+    """torch-sdpa without soft-cap, whatever torch-sdpa declares later: its kernel call ignores
+    the soft-cap, so bound to a soft-capped spec it returned the numbers of the spec without it
+    (relative error 0.55-0.71) until bind checked."""
 
     name = "no-softcap"
     capabilities = replace(
