@@ -59,6 +59,24 @@ def test_binding_an_unsupported_spec_raises_with_the_reasons():
     assert bound.spec == PLAIN and bound.binding.platform.kind == "cpu"
 
 
+def test_fp8_with_rope_is_refused_at_bind_by_the_one_check():
+    """The FP8 rotation rule lives in the capability check alone; prepare no longer repeats it."""
+
+    class Fp8Probe(TorchSdpaBackend):
+        name = "fp8-probe"
+        capabilities = replace(
+            TorchSdpaBackend.capabilities,
+            dtypes=frozenset({torch.float8_e4m3fn}),
+            features=(ab.Fp8Support(),),
+        )
+
+    spec = ab.AttentionSpec(4, 2, 16, torch.float8_e4m3fn, causal=True, rope=ab.RopeSpec(1e4))
+    with pytest.raises(ab.NoBackendError, match="rotate the stored FP8 values") as info:
+        Fp8Probe().bind(spec, CPU)
+    assert info.value.reasons[0][1][0].code == ab.ReasonCode.FP8
+    assert Fp8Probe().bind(replace(spec, rope=None), CPU).spec is not None
+
+
 def test_every_registered_backend_binds_exactly_where_it_supports():
     """torch-sdpa bound to a soft-capped spec returned relative errors of 0.55-0.71 before
     bind checked; now no backend binds a spec its own supports() refuses."""
