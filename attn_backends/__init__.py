@@ -6,26 +6,13 @@ selector that explains itself, and backends that arrive as pluggy plugins.
 
 from __future__ import annotations
 
-from ._backend import Binding, PrefillBackend
-from ._canary import CanaryResult, run_canary
-from ._capabilities import Capabilities, PriorityRule, check_capabilities, check_platform
-from ._contract import (
-    AnyPlan,
-    Fp8Scales,
-    InputLayout,
-    PrefillPlan,
-    QKVInput,
-    QKVViews,
-    split_views,
-)
-from ._distributed import (
-    RankDecision,
-    RankMismatchError,
-    check_consistent_across_ranks,
-    select_across_ranks,
-)
-from ._dtypes import dtype_name
-from ._errors import (
+from ._backend._backend import Binding, PrefillBackend
+from ._backend._capabilities import Capabilities, PriorityRule, check_capabilities, check_platform
+from ._backend._kernels import KernelModule
+from ._backend._protocol import CudaGraphPrefill, NoCachePrefill
+from ._backend._reference import TOLERANCE, reference_attention, relative_error
+from ._model._dtypes import dtype_name
+from ._model._errors import (
     AttentionBackendError,
     BackendFailure,
     FeatureNotSupportedError,
@@ -43,7 +30,7 @@ from ._errors import (
     SpecError,
     UnboundBackendError,
 )
-from ._feature_table import (
+from ._model._feature_table import (
     AlibiSupport,
     ChunkSupport,
     FeatureSupport,
@@ -53,20 +40,35 @@ from ._feature_table import (
     SoftcapSupport,
     WindowSupport,
 )
-from ._features import AlibiSpec, HeadwiseConfig, SlidingWindow, bloom_alibi_slopes
-from ._flags import derive_need_rope_kv_cache
-from ._graph import PAD_CHUNK, GraphBucket, GraphPlan
-from ._hooks import ENTRY_POINT_GROUP, PLUGIN_API_VERSION, PluginManifest, hookimpl, hookspec
-from ._isolation import PLUGIN_TIMEOUT_ENV
-from ._kernels import KernelModule
-from ._params import FMHAParams
-from ._platform import Platform, detect_platform, parse_platform
-from ._policy import DISABLE_ENV, PLUGINS_ENV
-from ._preprocess import clear_preprocess_cache, preprocess_mode
-from ._protocol import CudaGraphPrefill, NoCachePrefill
-from ._reasons import Reason, ReasonCode
-from ._reference import TOLERANCE, reference_attention, relative_error
-from ._registry import (
+from ._model._features import AlibiSpec, HeadwiseConfig, SlidingWindow, bloom_alibi_slopes
+from ._model._params import FMHAParams
+from ._model._platform import Platform, detect_platform, parse_platform
+from ._model._reasons import Reason, ReasonCode
+from ._model._rope_hf import rope_spec_from_hf, rope_spec_from_hf_config
+from ._model._rope_scaling import ROPE_TYPES, RopeScaling
+from ._model._spec import AttentionSpec, RopeSpec
+from ._path._contract import (
+    AnyPlan,
+    Fp8Scales,
+    InputLayout,
+    PrefillPlan,
+    QKVInput,
+    QKVViews,
+    split_views,
+)
+from ._path._graph import PAD_CHUNK, GraphBucket, GraphPlan
+from ._path._preprocess import clear_preprocess_cache, preprocess_mode
+from ._path._rope_passes import RopePass, register_rope_pass, rope_passes
+from ._plugins._hooks import (
+    ENTRY_POINT_GROUP,
+    PLUGIN_API_VERSION,
+    PluginManifest,
+    hookimpl,
+    hookspec,
+)
+from ._plugins._isolation import PLUGIN_TIMEOUT_ENV
+from ._plugins._policy import DISABLE_ENV, PLUGINS_ENV
+from ._plugins._registry import (
     BackendEntry,
     PluginPolicy,
     PluginRecord,
@@ -74,10 +76,15 @@ from ._registry import (
     get_registry,
     reset_registry,
 )
-from ._rope_hf import rope_spec_from_hf, rope_spec_from_hf_config
-from ._rope_passes import RopePass, register_rope_pass, rope_passes
-from ._rope_scaling import ROPE_TYPES, RopeScaling
-from ._selector import (
+from ._select._canary import CanaryResult, run_canary
+from ._select._distributed import (
+    RankDecision,
+    RankMismatchError,
+    check_consistent_across_ranks,
+    select_across_ranks,
+)
+from ._select._flags import derive_need_rope_kv_cache
+from ._select._selector import (
     BACKEND_ENV,
     STRICT_ENV,
     Candidate,
@@ -87,8 +94,7 @@ from ._selector import (
     select,
     select_request,
 )
-from ._spec import AttentionSpec, RopeSpec
-from ._warmup import WarmupReport, WarmupStep, warmup
+from ._select._warmup import WarmupReport, WarmupStep, warmup
 
 __version__ = "0.1.0"
 

@@ -18,25 +18,26 @@ from collections.abc import Mapping, Sequence
 
 import torch
 
-from . import __version__, _cli_args
-from ._canary import run_canary
-from ._capabilities import check_platform
-from ._cli_args import CommandLineError, CommandParser, unrecognized
-from ._cli_commands import installed_subcommands
-from ._cli_json import dumps
-from ._cli_spec import spec_from_args
-from ._errors import (
+from . import __version__
+from ._backend._capabilities import check_platform
+from ._cli import _cli_args
+from ._cli._cli_args import CommandLineError, CommandParser, unrecognized
+from ._cli._cli_commands import installed_subcommands
+from ._cli._cli_json import dumps
+from ._cli._cli_spec import spec_from_args
+from ._model._errors import (
     AttentionBackendError,
     KVCacheFlagError,
     NoBackendError,
     PlatformError,
     SpecError,
 )
-from ._platform import Platform, detect_platform
-from ._presets import PRESETS
-from ._registry import get_registry
-from ._selector import BACKEND_ENV, Selection, SelectRequest, select_request
-from ._warmup import warmup
+from ._model._platform import Platform, detect_platform
+from ._model._presets import PRESETS
+from ._plugins._registry import get_registry
+from ._select._canary import run_canary
+from ._select._selector import BACKEND_ENV, Selection, SelectRequest, select_request
+from ._select._warmup import warmup
 
 __all__ = ["build_parser", "main", "spec_from_args"]
 

@@ -10,12 +10,12 @@ contract keeps it that way.
 
 from __future__ import annotations
 
-from ._backend import PrefillBackend
-from ._capabilities import Capabilities, PriorityRule, check_capabilities
-from ._cli_commands import COMMAND_GROUP, Subcommand
-from ._contract import AnyPlan, InputLayout, QKVViews
-from ._dtypes import dtype_name
-from ._feature_table import (
+from ._backend._backend import PrefillBackend
+from ._backend._capabilities import Capabilities, PriorityRule, check_capabilities
+from ._backend._kernels import KernelModule
+from ._cli._cli_commands import COMMAND_GROUP, Subcommand
+from ._model._dtypes import dtype_name
+from ._model._feature_table import (
     AlibiSupport,
     ChunkSupport,
     FeatureSupport,
@@ -25,12 +25,12 @@ from ._feature_table import (
     SoftcapSupport,
     WindowSupport,
 )
-from ._features import bloom_alibi_slopes
-from ._hooks import ENTRY_POINT_GROUP, PLUGIN_API_VERSION, PluginManifest, hookimpl
-from ._kernels import KernelModule
-from ._preprocess import preprocess_mode
-from ._reasons import Reason, ReasonCode
-from ._rope_passes import RopePass
+from ._model._features import bloom_alibi_slopes
+from ._model._reasons import Reason, ReasonCode
+from ._path._contract import AnyPlan, InputLayout, QKVViews
+from ._path._preprocess import preprocess_mode
+from ._path._rope_passes import RopePass
+from ._plugins._hooks import ENTRY_POINT_GROUP, PLUGIN_API_VERSION, PluginManifest, hookimpl
 
 __all__ = [
     "COMMAND_GROUP",

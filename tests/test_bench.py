@@ -940,7 +940,7 @@ def test_public_api_path_runs_forward_with_rope_in_place():
 def test_public_api_path_checks_each_timed_buffer_once(monkeypatch):
     """The timed calls rotate buffers through one plan, as an engine's layers do; the plan
     remembers every buffer, so forward's buffer checks run once per buffer, not per call."""
-    from attn_backends import _contract
+    from attn_backends._path import _contract
 
     checked: list[int] = []
     real_check = _contract.check_packed
@@ -1349,7 +1349,9 @@ def test_graph_mode_refusals_become_not_supported_reasons():
 def test_workload_layers_are_the_cli_presets_of_the_same_name():
     """The bench keeps its own table (the core's is private); a workload must still measure the
     layer ``attn-backends explain --preset NAME`` explains."""
-    from attn_backends._presets import PRESETS  # private: the test may look, the bench may not
+    from attn_backends._model._presets import (
+        PRESETS,  # private: the test may look, the bench may not
+    )
 
     assert set(LAYERS) <= set(PRESETS)
     assert {name: PRESETS[name] for name in LAYERS} == LAYERS
@@ -1431,7 +1433,7 @@ def bench_installed(monkeypatch):
     """The core CLI's entry points as an installed distribution declares them."""
     from importlib.metadata import EntryPoint
 
-    from attn_backends import _cli_commands
+    from attn_backends._cli import _cli_commands
 
     entry = EntryPoint("bench", "attn_backends_bench.cli:COMMAND", COMMAND_GROUP)
     monkeypatch.setattr(_cli_commands, "entry_points", lambda group: [entry])

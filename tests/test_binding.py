@@ -11,8 +11,9 @@ import torch
 from attn_backends_builtin.torch_sdpa import TorchSdpaBackend
 
 import attn_backends as ab
-from attn_backends import _backend, _contract, _native, _preprocess, _rope
-from attn_backends._contract import PrefillPlan
+from attn_backends._backend import _backend
+from attn_backends._path import _contract, _native, _preprocess, _rope
+from attn_backends._path._contract import PrefillPlan
 
 CPU = ab.Platform(kind="cpu")
 ASSUMED_SM90 = ab.parse_platform("cuda:sm90")

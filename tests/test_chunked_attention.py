@@ -17,9 +17,9 @@ from attn_backends_builtin.flashinfer import FlashinferBackend
 from attn_backends_builtin.trt import TrtBackend
 
 import attn_backends as ab
-from attn_backends import _reference
-from attn_backends._feature_table import CHUNK
-from attn_backends._selector import _spec_line
+from attn_backends._backend import _reference
+from attn_backends._model._feature_table import CHUNK
+from attn_backends._select._selector import _spec_line
 from attn_backends.testing.cases import conformance_cases, refusal_cases
 from attn_backends.testing.suite import run_case
 

@@ -10,7 +10,8 @@ from importlib.metadata import EntryPoint
 
 import pytest
 
-from attn_backends import _cli_commands, cli
+from attn_backends import cli
+from attn_backends._cli import _cli_commands
 from attn_backends.plugin import COMMAND_GROUP, Subcommand
 
 

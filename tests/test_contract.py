@@ -9,7 +9,7 @@ import pytest
 import torch
 
 import attn_backends as ab
-from attn_backends._contract import split_views, unpack_packed
+from attn_backends._path._contract import split_views, unpack_packed
 
 SPEC = ab.AttentionSpec(4, 2, 16, torch.float32, causal=True, rope=ab.RopeSpec(1e4))
 PARAMS = ab.FMHAParams.from_lengths([3, 1, 5], device="cpu", padded_rows=12)
@@ -103,7 +103,7 @@ def test_unbound_backend_says_how_to_bind():
 
 
 def test_fp8_scales_accept_floats_or_device_scalars():
-    from attn_backends._contract import check_fp8_scales
+    from attn_backends._path._contract import check_fp8_scales
 
     fp8 = ab.AttentionSpec(4, 2, 16, torch.float8_e4m3fn, causal=True)
     one = torch.ones(())

@@ -24,8 +24,9 @@ from attn_backends_builtin import torch_sdpa
 from torch.multiprocessing.spawn import start_processes
 
 import attn_backends as ab
-from attn_backends import _json
-from attn_backends._distributed import rank_fingerprint
+from attn_backends._model import _json
+from attn_backends._plugins._registry import RegistrySnapshot
+from attn_backends._select._distributed import rank_fingerprint
 from tests.static_plugin import StaticPlugin
 
 WORLD = 2
@@ -53,12 +54,12 @@ class _CudaOnly(torch_sdpa.TorchSdpaBackend):
 class _BrokenRegistry(ab.Registry):
     """A registry whose table cannot be read: `select` raises a plain RuntimeError."""
 
-    def snapshot(self) -> ab._registry.RegistrySnapshot:
+    def snapshot(self) -> RegistrySnapshot:
         raise RuntimeError("the plugin table is corrupt")
 
 
 class _InterruptedRegistry(ab.Registry):
-    def snapshot(self) -> ab._registry.RegistrySnapshot:
+    def snapshot(self) -> RegistrySnapshot:
         raise KeyboardInterrupt
 
 
@@ -319,14 +320,14 @@ def test_graph_mode_and_a_whole_request_reach_the_rank_helper() -> None:
 
 
 def test_rank_mismatch_error_lives_beside_rank_decision() -> None:
-    errors = Path(ab._errors.__file__).read_text()
+    errors = Path(ab._model._errors.__file__).read_text()
     imported = {
         node.module
         for node in ast.walk(ast.parse(errors))
         if isinstance(node, ast.ImportFrom) and node.level > 0
     }
     assert imported == {"_reasons"}, "the errors module imports nothing above it"
-    assert ab.RankMismatchError.__module__ == "attn_backends._distributed"
+    assert ab.RankMismatchError.__module__ == "attn_backends._select._distributed"
     assert issubclass(ab.RankMismatchError, ab.AttentionBackendError)
     assert issubclass(ab.RankMismatchError, RuntimeError)
 

@@ -13,8 +13,9 @@ import torch
 from attn_backends_builtin import _masks, flex, torch_sdpa
 
 import attn_backends as ab
-from attn_backends import _feature_table, _features, _reference
-from attn_backends._selector import _spec_line
+from attn_backends._backend import _reference
+from attn_backends._model import _feature_table, _features
+from attn_backends._select._selector import _spec_line
 from attn_backends.testing.cases import conformance_cases, refusal_cases
 
 CPU = ab.detect_platform("cpu")

@@ -11,7 +11,7 @@ from attn_backends_builtin import flashinfer as flashinfer_plugin
 from attn_backends_builtin.flashinfer import GraphRagged
 
 import attn_backends as ab
-from attn_backends._graph import slot_lengths
+from attn_backends._path._graph import slot_lengths
 from tests.fakes.fake_flashinfer import FakeFlashinfer, install
 
 SM90 = ab.Platform(kind="cuda", arch="sm90", libraries=(("flashinfer", "fake"),))

@@ -28,9 +28,9 @@ from torch.utils import cpp_extension
 from torch.utils.file_baton import FileBaton
 
 import attn_backends as ab
-from attn_backends import _native, _preprocess
-from attn_backends._build_lock import build_lock
-from attn_backends._preprocess import choose_preprocess
+from attn_backends._path import _native, _preprocess
+from attn_backends._path._build_lock import build_lock
+from attn_backends._path._preprocess import choose_preprocess
 
 LIBRARY = "attn_backends_rope_logn.so"
 OPERATOR = object()

@@ -29,7 +29,10 @@ import torch
 from attn_backends_builtin import torch_sdpa
 
 import attn_backends as ab
-from attn_backends import _isolation, _preprocess, _rope_passes, _validation, cli
+from attn_backends import cli
+from attn_backends._backend import _validation
+from attn_backends._path import _preprocess, _rope_passes
+from attn_backends._plugins import _isolation
 from tests.plugin_site import PluginSite, open_site
 from tests.static_plugin import StaticPlugin
 

@@ -15,10 +15,11 @@ import torch
 from attn_backends_builtin._flashinfer_rope import FLASHINFER_ROPE, flashinfer_rope_refusal
 
 import attn_backends as ab
-from attn_backends import _native, _preprocess
-from attn_backends._errors import NativeBuildError
-from attn_backends._platform import PlatformKind
-from attn_backends._preprocess import (
+from attn_backends._backend._reference import _rotate
+from attn_backends._model._errors import NativeBuildError
+from attn_backends._model._platform import PlatformKind
+from attn_backends._path import _native, _preprocess
+from attn_backends._path._preprocess import (
     NATIVE,
     TORCH,
     apply_preprocess,
@@ -27,8 +28,7 @@ from attn_backends._preprocess import (
     register_rope_pass,
     resolve_preprocess,
 )
-from attn_backends._reference import _rotate
-from attn_backends._rope import apply_rope_logn, build_position_tables
+from attn_backends._path._rope import apply_rope_logn, build_position_tables
 
 QWEN3 = ab.AttentionSpec(16, 8, 128, torch.bfloat16, causal=True, rope=ab.RopeSpec(1e6))
 FLASHINFER = (("aiter", None), ("flashinfer", "0.7.0.post1"), ("tensorrt_llm", None))

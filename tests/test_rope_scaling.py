@@ -16,11 +16,12 @@ from attn_backends_builtin._flashinfer_rope import (
 )
 
 import attn_backends as ab
-from attn_backends import _backend, _native, _preprocess
-from attn_backends._capabilities import Capabilities, PriorityRule
-from attn_backends._fingerprint import canonical_json
-from attn_backends._preprocess import apply_torch_pass, choose_preprocess, native_refusal
-from attn_backends._reference import TOLERANCE, reference_attention, relative_error
+from attn_backends._backend import _backend
+from attn_backends._backend._capabilities import Capabilities, PriorityRule
+from attn_backends._backend._reference import TOLERANCE, reference_attention, relative_error
+from attn_backends._model._fingerprint import canonical_json
+from attn_backends._path import _native, _preprocess
+from attn_backends._path._preprocess import apply_torch_pass, choose_preprocess, native_refusal
 from tests.fakes import fake_flashinfer_rope
 from tests.fakes.fake_flashinfer import install
 

@@ -18,8 +18,8 @@ import pytest
 import torch
 
 import attn_backends as ab
-from attn_backends._preprocess import apply_torch_pass
-from attn_backends._rope import build_position_tables
+from attn_backends._path._preprocess import apply_torch_pass
+from attn_backends._path._rope import build_position_tables
 
 transformers = pytest.importorskip("transformers")
 rope_utils = pytest.importorskip("transformers.modeling_rope_utils")
@@ -152,7 +152,7 @@ def test_inverse_frequencies_and_attention_factor_match(name, max_pos, params, s
     hf_freq, hf_factor = _hf_inv_freq(config, seq_len)
     hf = hf_freq.to(torch.float64)
     spec = ab.AttentionSpec(HEADS, KV_HEADS, HEAD_DIM, torch.float32, causal=True, rope=rope)
-    from attn_backends._rope import rope_frequencies
+    from attn_backends._path._rope import rope_frequencies
 
     ours = torch.tensor(rope_frequencies(spec, seq_len), dtype=torch.float64)
     assert ours.shape == hf.shape
@@ -319,7 +319,7 @@ def test_partial_rotary_factor_rotates_leading_dims_with_their_own_exponent():
 def test_reference_rotation_matches_transformers():
     """The float64 reference derives every rule on its own; it must agree with transformers
     as closely as the torch pass does."""
-    from attn_backends._reference import _rotate
+    from attn_backends._backend._reference import _rotate
 
     lengths = (70, 8)
     for _name, max_pos, params in CASES:

@@ -9,7 +9,7 @@ import torch
 from attn_backends_builtin.torch_sdpa import TorchSdpaBackend
 
 import attn_backends as ab
-from attn_backends import _contract
+from attn_backends._path import _contract
 
 ROPE = ab.AttentionSpec(4, 2, 16, torch.float32, causal=True, rope=ab.RopeSpec(1e4, 8))
 PLAIN = ab.AttentionSpec(4, 2, 16, torch.float32, causal=True)
@@ -250,7 +250,7 @@ def test_fp8_with_rope_is_refused_unless_the_backend_rotates_before_quantising()
 def test_a_device_named_without_index_is_the_one_tensors_report(monkeypatch):
     """Tensors on "cuda" report "cuda:N"; comparisons resolve the name first (the canary once
     failed every backend on `check --device cuda` for comparing the two)."""
-    from attn_backends._devices import indexed
+    from attn_backends._model._devices import indexed
 
     monkeypatch.setattr(torch.cuda, "current_device", lambda: 1)
     assert indexed("cuda") == torch.device("cuda", 1)

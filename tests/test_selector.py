@@ -10,7 +10,7 @@ import pytest
 import torch
 
 import attn_backends as ab
-from attn_backends import _selector
+from attn_backends._select import _selector
 from tests.static_plugin import StaticPlugin
 
 SPEC = ab.AttentionSpec(8, 2, 64, torch.bfloat16, causal=True, rope=ab.RopeSpec(1e6))

@@ -13,7 +13,7 @@ from attn_backends_builtin import flashinfer as flashinfer_plugin
 from attn_backends_builtin.flashinfer import FlashinferRopeBackend
 
 import attn_backends as ab
-from attn_backends import _warmup
+from attn_backends._select import _warmup
 from attn_backends.cli import main
 from tests.fakes.fake_flashinfer import FakeFlashinfer, install
 

@@ -38,8 +38,8 @@ from typing import Any
 
 import torch
 
-from .._errors import FeatureNotSupportedError, IntegrationError
-from .._features import SlidingWindow
+from .._model._errors import FeatureNotSupportedError, IntegrationError
+from .._model._features import SlidingWindow
 
 __all__ = ["chunk_from_hf", "hf_features", "window_from_hf"]
 

@@ -38,9 +38,9 @@ from typing import Any
 
 import torch
 
-from .._errors import IntegrationError, MaskMismatchError
-from .._selector import Selection
-from .._spec import AttentionSpec
+from .._model._errors import IntegrationError, MaskMismatchError
+from .._model._spec import AttentionSpec
+from .._select._selector import Selection
 from . import _layout
 from ._layout import BatchLayout
 

@@ -24,7 +24,7 @@ import importlib
 import threading
 from typing import Any
 
-from .._errors import IntegrationError
+from .._model._errors import IntegrationError
 
 __all__ = ["model_name", "refuse_bypassing_model"]
 

@@ -14,8 +14,8 @@ from dataclasses import dataclass, field
 
 import torch
 
-from .._errors import IntegrationError
-from .._params import FMHAParams
+from .._model._errors import IntegrationError
+from .._model._params import FMHAParams
 
 
 @dataclass(frozen=True, eq=False)

@@ -20,7 +20,7 @@ from typing import TypedDict
 
 import torch
 
-from .._errors import IntegrationError
+from .._model._errors import IntegrationError
 
 __all__ = ["PackedBatch", "mark_served", "pack_sequences", "unpack_hidden"]
 

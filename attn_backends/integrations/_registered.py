@@ -13,7 +13,7 @@ import functools
 from collections.abc import Callable
 from typing import Any
 
-from .._errors import IntegrationError
+from .._model._errors import IntegrationError
 from .transformers import attention_forward
 
 __all__ = ["mark_ours", "require_ours"]

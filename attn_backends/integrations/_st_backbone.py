@@ -24,7 +24,7 @@ from typing import Any
 
 import torch
 
-from .._errors import IntegrationError
+from .._model._errors import IntegrationError
 from ._served import check_served
 
 __all__ = ["BackbonePacking"]

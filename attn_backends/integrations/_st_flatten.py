@@ -22,7 +22,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from .._errors import IntegrationError
+from .._model._errors import IntegrationError
 
 __all__ = ["FLATTENED_KWARGS", "enable_flattening", "flattening_problems"]
 

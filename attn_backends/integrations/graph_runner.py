@@ -20,7 +20,7 @@ the integration:
   no mask, and the integration learns a layer's chunk from its mask.
 
 Padding rows never reach a real token or the output: the graph plan cuts them into padding
-sequences that attend only among themselves (`attn_backends._graph`), every other layer of an
+sequences that attend only among themselves (`attn_backends._path._graph`), every other layer of an
 encoder works per token, and only the batch's rows are returned.
 
 On CPU (no capture) the runner does the same bucketing with the same static buffers, running
@@ -45,13 +45,13 @@ from typing import Any, Literal
 
 import torch
 
-from .._errors import FeatureNotSupportedError, GraphModeError, IntegrationError, ParamsError
-from .._graph import GraphBucket, GraphPlan, slot_lengths
-from .._params import FMHAParams
-from .._platform import Platform
-from .._protocol import CudaGraphPrefill
-from .._selector import select
-from .._spec import AttentionSpec
+from .._backend._protocol import CudaGraphPrefill
+from .._model._errors import FeatureNotSupportedError, GraphModeError, IntegrationError, ParamsError
+from .._model._params import FMHAParams
+from .._model._platform import Platform
+from .._model._spec import AttentionSpec
+from .._path._graph import GraphBucket, GraphPlan, slot_lengths
+from .._select._selector import select
 from . import _hf_features, _hf_models, _registered
 from ._served import check_served
 from .transformers import _refuse_unsupported_call, _spec_for

@@ -29,7 +29,7 @@ from typing import TYPE_CHECKING, Any, TypeVar
 
 import torch
 
-from .._errors import IntegrationError
+from .._model._errors import IntegrationError
 from . import _st_flatten
 from ._registered import require_ours
 from ._served import check_served

@@ -15,19 +15,19 @@ from typing import ClassVar
 import pytest
 import torch
 
-from .._contract import QKVInput
-from .._errors import NoBackendError
-from .._graph import GraphBucket
-from .._params import FMHAParams
-from .._platform import Platform, detect_platform, parse_platform
-from .._preprocess import is_separate
-from .._protocol import CudaGraphPrefill
-from .._reasons import ReasonCode
-from .._reference import TOLERANCE, reference_attention, relative_error
-from .._registry import Registry, get_registry
-from .._selector import Selection, SelectRequest, select, select_request
-from .._spec import AttentionSpec
-from .._untouched import unexpected_writes
+from .._backend._protocol import CudaGraphPrefill
+from .._backend._reference import TOLERANCE, reference_attention, relative_error
+from .._model._errors import NoBackendError
+from .._model._params import FMHAParams
+from .._model._platform import Platform, detect_platform, parse_platform
+from .._model._reasons import ReasonCode
+from .._model._spec import AttentionSpec
+from .._path._contract import QKVInput
+from .._path._graph import GraphBucket
+from .._path._preprocess import is_separate
+from .._path._untouched import unexpected_writes
+from .._plugins._registry import Registry, get_registry
+from .._select._selector import Selection, SelectRequest, select, select_request
 from .cases import (
     ConformanceCase,
     RefusalCase,

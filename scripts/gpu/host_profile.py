@@ -26,7 +26,9 @@ from pathlib import Path
 import torch
 
 import attn_backends as ab
-from attn_backends._contract import buffer_signature  # the memo key: measured here, not public
+from attn_backends._path._contract import (
+    buffer_signature,  # the memo key: measured here, not public
+)
 from attn_backends.plugin import QKVViews
 
 CALLS = 300

@@ -46,10 +46,10 @@ from attn_backends import (
     relative_error,
     select,
 )
-from attn_backends import _native as native  # the kernels measured: below the public API
-from attn_backends._preprocess import apply_preprocess
-from attn_backends._reference import _rotate
-from attn_backends._rope import PositionTables, build_position_tables
+from attn_backends._backend._reference import _rotate
+from attn_backends._path import _native as native  # the kernels measured: below the public API
+from attn_backends._path._preprocess import apply_preprocess
+from attn_backends._path._rope import PositionTables, build_position_tables
 from attn_backends.plugin import dtype_name
 
 PAD_VALUE = 1.0e4

@@ -12,9 +12,9 @@ import torch
 from attn_backends_builtin._flashinfer_rope import flashinfer_rope_refusal
 
 import attn_backends as ab
-from attn_backends import _native
-from attn_backends._preprocess import apply_preprocess
-from attn_backends._reference import _rotate
+from attn_backends._backend._reference import _rotate
+from attn_backends._path import _native
+from attn_backends._path._preprocess import apply_preprocess
 
 pytestmark = pytest.mark.gpu
 

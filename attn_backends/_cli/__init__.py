@@ -1,0 +1,1 @@
+"""Argument parsing and output helpers of the command line."""

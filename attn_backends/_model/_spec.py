@@ -1,0 +1,282 @@
+"""Typed, validated description of one attention layer: what every backend decision keys on."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+from ._dtypes import MODEL_DTYPES, dtype_name, is_fp8
+from ._errors import SpecError
+from ._feature_table import FEATURES
+from ._features import AlibiSpec, HeadwiseConfig, SlidingWindow
+from ._numbers import finite_float, shown
+from ._rope_scaling import RopeScaling
+
+MAX_ROPE_THETA = 2.0**126
+"""Largest RoPE theta (about 8.5e37; real models use 1e4 to 1e7): fused RoPE kernels take theta
+as a float32 and use ``1 / theta``, which must stay a normal float32."""
+MAX_SOFTMAX_SCALE = 256.0
+"""Largest softmax scale (``1 / sqrt(head_dim)`` is 0.04 to 0.35): some kernels multiply Q and
+K by the scale's square root in the input dtype, and float16 ends at 65504."""
+
+
+@dataclass(frozen=True)
+class RopeSpec:
+    """Rotary position embedding applied to Q and K before attention."""
+
+    theta: float
+    """Base of the inverse frequencies, e.g. 10000 for Llama-2, 1e6 for Qwen3."""
+    rotary_dim: int | None = None
+    """Leading dims of each head that rotate; ``None`` means the whole head. ``0`` rotates
+    nothing (transformers' ``partial_rotary_factor=0``): a spec with it has no RoPE."""
+    interleaved: bool = False
+    """``False``: rotate-half pairs ``(i, i + r/2)`` (Llama/Qwen in HF transformers).
+    ``True``: adjacent pairs ``(2i, 2i + 1)`` (GPT-J)."""
+    scaling: RopeScaling | None = None
+    """Long-context scaling of the frequencies (transformers' ``rope_type``); ``None`` is plain
+    RoPE. ``RopeScaling()`` (plain) is stored as ``None``, so that both compare, hash and
+    fingerprint alike."""
+
+    def __post_init__(self) -> None:
+        theta = finite_float(self.theta)
+        if theta is None or not 1.0 < theta <= MAX_ROPE_THETA:
+            raise SpecError(
+                "RopeSpec.theta must be > 1, finite and at most 2**126 (e.g. 10000.0; fused "
+                f"kernels read 1/theta as a float32), got {shown(self.theta)}"
+            )
+        object.__setattr__(self, "theta", theta)
+        if self.rotary_dim is not None and (
+            isinstance(self.rotary_dim, bool)
+            or not isinstance(self.rotary_dim, int)
+            or self.rotary_dim < 0
+            or self.rotary_dim % 2
+        ):
+            raise SpecError(
+                "RopeSpec.rotary_dim must be an even int >= 0 (0 rotates nothing) or None, got "
+                f"{shown(self.rotary_dim)}"
+            )
+        _flag("RopeSpec.interleaved", self.interleaved)
+        if self.scaling is not None:
+            if not isinstance(self.scaling, RopeScaling):
+                raise SpecError(
+                    f"RopeSpec.scaling must be a RopeScaling or None, got {shown(self.scaling)}"
+                )
+            if self.scaling.is_plain:
+                object.__setattr__(self, "scaling", None)
+            elif self.rotary_dim:
+                self.scaling.check_rotary_dim(self.rotary_dim)
+
+    @property
+    def is_plain(self) -> bool:
+        """Plain theta RoPE (no scaling rule): what the native and fused kernels compute."""
+        return self.scaling is None or self.scaling.is_plain
+
+    def to_dict(self) -> dict[str, object]:
+        out: dict[str, object] = {
+            "theta": self.theta,
+            "rotary_dim": self.rotary_dim,
+            "interleaved": self.interleaved,
+        }
+        if self.scaling is not None:  # absent when unset: plain specs keep their fingerprints
+            out["scaling"] = self.scaling.to_dict()
+        return out
+
+
+def _flag(name: str, value: object) -> None:
+    """Flags are real bools: a truthy string such as "false" must not switch a mask on."""
+    if not isinstance(value, bool):
+        raise SpecError(f"{name} must be True or False, got {value!r}")
+
+
+def _positive_int(name: str, value: object) -> None:
+    if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
+        raise SpecError(f"AttentionSpec.{name} must be a positive int, got {value!r}")
+
+
+def _rope_for_head(rope: object, head_dim: int) -> RopeSpec | None:
+    """``rope`` checked against the head; a RoPE that turns no pair is no RoPE (``None``), so
+    that specs meaning the same compare, hash and fingerprint alike."""
+    if rope is None:
+        return None
+    if not isinstance(rope, RopeSpec):
+        raise SpecError(f"AttentionSpec.rope must be a RopeSpec or None, got {shown(rope)}")
+    rotary_dim = rope.rotary_dim
+    if rotary_dim is not None and rotary_dim > head_dim:
+        raise SpecError(f"RopeSpec.rotary_dim ({rotary_dim}) exceeds head_dim ({head_dim})")
+    if rotary_dim is None and head_dim % 2:
+        raise SpecError(
+            f"RoPE over the whole head needs an even head_dim, got {head_dim}; "
+            "set RopeSpec.rotary_dim to the even number of rotated dims"
+        )
+    rotated = head_dim if rotary_dim is None else rotary_dim
+    if rotated and rope.scaling is not None:
+        rope.scaling.check_rotary_dim(rotated)
+    if rotated == 0 or (rope.scaling is not None and rope.scaling.rotating_pairs(rotated) == 0):
+        return None
+    return rope
+
+
+@dataclass(frozen=True)
+class AttentionSpec:
+    """One attention layer of the model, as the no-cache prefill path sees it.
+
+    Frozen and hashable, so it keys the selector's cache. Validated when built: a spec that
+    exists is consistent.
+    """
+
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    dtype: torch.dtype
+    """Dtype of the packed QKV input. FP8 dtypes mean per-tensor-scaled FP8 input."""
+    causal: bool
+    rope: RopeSpec | None = None
+    use_logn_attn: bool = False
+    """Scale Q at 0-based position p by ``max(1, ln(p + 1) / ln(logn_base))`` (Qwen logn)."""
+    logn_base: int | None = None
+    """Training context length that logn scaling is relative to; required with logn."""
+    softmax_scale: float | None = None
+    """``None`` means ``1 / sqrt(head_dim)``."""
+    use_mla: bool = False
+    headwise: HeadwiseConfig | None = field(default=None)
+    window: SlidingWindow | None = None
+    """Local attention: the query at ``i`` sees keys ``i - left .. i + right`` only (within
+    its sequence, and on top of the causal rule). ``None``: the whole sequence."""
+    logit_softcap: float | None = None
+    """Gemma 2 soft-capping: scaled scores become ``cap * tanh(scores / cap)`` before the
+    bias, mask and softmax. ``None``: no capping."""
+    alibi: AlibiSpec | None = None
+    """ALiBi bias added to the (scaled, capped) scores; ``None``: no bias."""
+    chunk_size: int | None = None
+    """Chunked attention (Llama 4's ``attention_chunk_size``): the query at position ``i`` sees
+    key ``j`` only when ``i // chunk_size == j // chunk_size`` (positions restart with every
+    sequence), on top of the causal rule and every other mask term. ``None``: no chunks."""
+
+    def __post_init__(self) -> None:
+        _positive_int("num_heads", self.num_heads)
+        _positive_int("num_kv_heads", self.num_kv_heads)
+        _positive_int("head_dim", self.head_dim)
+        _flag("AttentionSpec.causal", self.causal)
+        _flag("AttentionSpec.use_logn_attn", self.use_logn_attn)
+        _flag("AttentionSpec.use_mla", self.use_mla)
+        if self.num_heads % self.num_kv_heads:
+            raise SpecError(
+                f"num_heads ({self.num_heads}) must be a multiple of num_kv_heads "
+                f"({self.num_kv_heads}) for grouped-query attention"
+            )
+        if not isinstance(self.dtype, torch.dtype) or self.dtype not in MODEL_DTYPES:
+            allowed = ", ".join(sorted(dtype_name(d) for d in MODEL_DTYPES))
+            raise SpecError(f"AttentionSpec.dtype must be one of {allowed}; got {self.dtype!r}")
+        object.__setattr__(self, "rope", _rope_for_head(self.rope, self.head_dim))
+        if self.use_logn_attn:
+            if not isinstance(self.logn_base, int) or self.logn_base < 2:
+                raise SpecError(
+                    "use_logn_attn=True needs logn_base, the training context length (an int "
+                    f">= 2, e.g. 8192); got {self.logn_base!r}"
+                )
+        elif self.logn_base is not None:
+            raise SpecError("logn_base is set but use_logn_attn is False; set both or neither")
+        if self.softmax_scale is not None:
+            scale = finite_float(self.softmax_scale)
+            if scale is None or not 0 < scale <= MAX_SOFTMAX_SCALE:
+                raise SpecError(
+                    "softmax_scale must be a positive finite float of at most "
+                    f"{MAX_SOFTMAX_SCALE:g} (some kernels multiply Q and K by its square root in "
+                    f"the input dtype), or None for 1/sqrt(head_dim); got "
+                    f"{shown(self.softmax_scale)}"
+                )
+        self._check_features()
+
+    def _check_features(self) -> None:
+        """Each feature's value against the rest of the layer (`_feature_table`), then stored
+        in its one canonical form."""
+        for feature in FEATURES:
+            feature.validate(self)
+        for feature in FEATURES:
+            object.__setattr__(self, feature.field, feature.canonical(self))
+
+    @property
+    def group_size(self) -> int:
+        """Query heads per KV head (1 for MHA)."""
+        return self.num_heads // self.num_kv_heads
+
+    @property
+    def is_gqa(self) -> bool:
+        return self.num_heads != self.num_kv_heads
+
+    @property
+    def q_width(self) -> int:
+        return self.num_heads * self.head_dim
+
+    @property
+    def kv_width(self) -> int:
+        return self.num_kv_heads * self.head_dim
+
+    @property
+    def qkv_width(self) -> int:
+        """Columns of the packed QKV row: ``(Hq + 2 * Hkv) * D``."""
+        return self.q_width + 2 * self.kv_width
+
+    @property
+    def scale(self) -> float:
+        """The softmax scale actually used."""
+        return self.softmax_scale if self.softmax_scale is not None else self.head_dim**-0.5
+
+    @property
+    def is_fp8(self) -> bool:
+        return is_fp8(self.dtype)
+
+    @property
+    def output_dtype(self) -> torch.dtype:
+        """Model dtype of the output: the input dtype, or bfloat16 for FP8 input."""
+        return torch.bfloat16 if self.is_fp8 else self.dtype
+
+    @property
+    def rotary_dim(self) -> int:
+        """Rotated dims per head (0 without RoPE)."""
+        if self.rope is None:
+            return 0
+        return self.rope.rotary_dim if self.rope.rotary_dim is not None else self.head_dim
+
+    @property
+    def rope_fusable(self) -> bool:
+        """The spec's pre-processing is RoPE alone that a fused-RoPE kernel computes:
+        rotate-half over the whole head, no logn, input not FP8, and no ALiBi (a fused-RoPE
+        kernel takes one position encoding)."""
+        return (
+            self.rope is not None
+            and not self.rope.interleaved
+            and self.rotary_dim == self.head_dim
+            and not self.use_logn_attn
+            and not self.is_fp8
+            and self.alibi is None
+        )
+
+    def to_dict(self) -> dict[str, object]:
+        return {
+            "num_heads": self.num_heads,
+            "num_kv_heads": self.num_kv_heads,
+            "head_dim": self.head_dim,
+            "dtype": dtype_name(self.dtype),
+            "causal": self.causal,
+            "rope": (
+                {**self.rope.to_dict(), "rotary_dim": self.rotary_dim}
+                if self.rope is not None
+                else None
+            ),
+            "use_logn_attn": self.use_logn_attn,
+            "logn_base": self.logn_base,
+            "softmax_scale": self.scale,
+            **{key: value for f in FEATURES for key, value in f.record(self).items()},
+        }
+
+
+def kernel_rope_fusable(spec: AttentionSpec) -> bool:
+    """A fused-RoPE kernel computes the spec's RoPE: fusable and plain theta (no scaling)."""
+    return spec.rope_fusable and spec.rope is not None and spec.rope.is_plain
+
+
+def spec_masked(spec: AttentionSpec) -> bool:
+    """The spec restricts or biases scores beyond causality: a sliding window or ALiBi."""
+    return spec.window is not None or spec.alibi is not None

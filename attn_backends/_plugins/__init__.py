@@ -1,0 +1,1 @@
+"""How backends arrive: the pluggy hook, the registry, isolation of plugin code, policy."""
