@@ -32,7 +32,7 @@ def _model(kind: str) -> Any:
         "num_attention_heads": 4,  # head_dim 64
     }
     if kind == "xlmr":
-        config = t.XLMRobertaConfig(**common, max_position_embeddings=600, pad_token_id=1)
+        config = t.XLMRobertaConfig(**common, max_position_embeddings=640, pad_token_id=1)
     else:
         config = t.Qwen3Config(**common, num_key_value_heads=2, head_dim=64, use_cache=False)
     torch.manual_seed(0)

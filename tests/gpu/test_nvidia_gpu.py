@@ -154,3 +154,44 @@ def test_headwise_compiled_block_mask_and_kernel(monkeypatch):
     assert plan.kernel.windowed_sequences == 3
     _check(backend.forward(qkv.clone(), plan), qkv, spec, params)
     assert headwise.COMPILE_STATE.failures == 0, headwise.COMPILE_STATE.last_error
+
+
+SEPARATE_SPEC = ab.AttentionSpec(16, 8, 128, torch.bfloat16, True, rope=ab.RopeSpec(1e6))
+
+
+def _separate_views(qkv: torch.Tensor, spec: ab.AttentionSpec):
+    """Disjoint column views of one buffer, as a model with separate projections would hand
+    them over (rows strided, heads dense within a row)."""
+    q_w, kv_w = spec.num_heads * spec.head_dim, spec.num_kv_heads * spec.head_dim
+    return qkv[:, :q_w], qkv[:, q_w : q_w + kv_w], qkv[:, q_w + kv_w :]
+
+
+@pytest.mark.parametrize("name", ["flashinfer", "flashinfer-rope"])
+def test_separate_qkv_allocates_only_the_output_and_never_syncs(name):
+    """Separate (q, k, v) on a plan whose packed pass is the native kernel (flashinfer) or
+    flashinfer's own RoPE (flashinfer-rope): the plan's tables are built in ``prepare``, so a
+    layer neither copies tables to the device (a host sync) nor allocates more than its
+    output."""
+    spec = SEPARATE_SPEC
+    backend = ab.select(spec, backend=name, device="cuda").backend
+    params, qkv = _batch(spec, LENGTHS)
+    plan = backend.prepare(params)
+    out = backend.forward(_separate_views(qkv.clone(), spec), plan)  # kernels loaded
+    _check(out, qkv, spec, params)
+    buf = qkv.clone()
+    torch.cuda.synchronize()
+    before = torch.cuda.memory_stats()["requested_bytes.all.current"]
+    torch.cuda.reset_peak_memory_stats()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        out = backend.forward(_separate_views(buf, spec), plan)
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    torch.cuda.synchronize()
+    stats = torch.cuda.memory_stats()
+    grown = stats["requested_bytes.all.current"] - before
+    peak = stats["requested_bytes.all.peak"] - before
+    nbytes = params.token_q_num * spec.q_width * out.element_size()
+    _check(out, qkv, spec, params)
+    assert grown == nbytes, f"kept {grown} bytes, the output is {nbytes}"
+    assert peak == nbytes, f"peak {peak} bytes during forward, the output is {nbytes}"
