@@ -10,6 +10,7 @@ only in ``prepare``, raw Python errors where a `SpecError` is promised, the comm
 from __future__ import annotations
 
 import ast
+import inspect
 import json
 import math
 from pathlib import Path
@@ -339,12 +340,14 @@ def test_rope_theta_flag_has_the_specs_bound(capsys):
 
 def test_the_spec_module_imports_nothing_from_the_hf_reader():
     """``RopeSpec.from_hf_config`` made a loop (``_spec`` -> ``_rope_hf`` -> ``_spec``), broken
-    only by a lazy import; `rope_spec_from_hf_config` is the one way from a config."""
-    source = Path(ab.__file__).with_name("_spec.py").read_text()
-    imported = {
-        node.module for node in ast.walk(ast.parse(source)) if isinstance(node, ast.ImportFrom)
-    }
-    assert "_rope_hf" not in imported and "attn_backends._model._rope_hf" not in imported
+    only by a lazy import; `rope_spec_from_hf_config` is the one way from a config. Both
+    modules are checked where they live: `AttentionSpec`'s and `RopeSpec`'s."""
+    for spec_class in (ab.AttentionSpec, ab.RopeSpec):
+        source = Path(inspect.getfile(spec_class)).read_text()
+        imported = {
+            node.module for node in ast.walk(ast.parse(source)) if isinstance(node, ast.ImportFrom)
+        }
+        assert "_rope_hf" not in imported and "attn_backends._model._rope_hf" not in imported
     assert "from_hf_config" not in vars(ab.RopeSpec)
     assert "rope_spec_from_hf_config" in ab.__all__
 

@@ -24,7 +24,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, fields
-from typing import TYPE_CHECKING, Any, ClassVar, Generic, Literal, TypeVar
+from typing import Any, ClassVar, Generic, Literal, Protocol, TypeVar
 
 import torch
 
@@ -44,9 +44,41 @@ from ._features import (
 )
 from ._numbers import shown
 from ._reasons import Reason, ReasonCode
+from ._rope_scaling import RopeScaling
+from ._rope_spec import RopeSpec
 
-if TYPE_CHECKING:
-    from ._spec import AttentionSpec
+
+class LayerFields(Protocol):
+    """The fields of a layer the descriptors read: what `AttentionSpec` (a frozen dataclass)
+    carries, seen read-only. `_spec` imports this table to validate and record its features, so
+    the table names the fields it reads, not the class, and the import runs one way."""
+
+    @property
+    def num_heads(self) -> int: ...
+    @property
+    def head_dim(self) -> int: ...
+    @property
+    def dtype(self) -> torch.dtype: ...
+    @property
+    def causal(self) -> bool: ...
+    @property
+    def rope(self) -> RopeSpec | None: ...
+    @property
+    def use_logn_attn(self) -> bool: ...
+    @property
+    def use_mla(self) -> bool: ...
+    @property
+    def headwise(self) -> HeadwiseConfig | None: ...
+    @property
+    def window(self) -> SlidingWindow | None: ...
+    @property
+    def logit_softcap(self) -> float | None: ...
+    @property
+    def alibi(self) -> AlibiSpec | None: ...
+    @property
+    def chunk_size(self) -> int | None: ...
+    @property
+    def is_fp8(self) -> bool: ...
 
 
 @dataclass(frozen=True)
@@ -173,32 +205,32 @@ class Feature(Generic[S]):
     field: str
     """The `AttentionSpec` field that carries it."""
 
-    def used(self, spec: AttentionSpec) -> bool:
+    def used(self, spec: LayerFields) -> bool:
         raise NotImplementedError
 
     # -- the spec -------------------------------------------------------------------------
 
-    def validate(self, spec: AttentionSpec) -> None:
+    def validate(self, spec: LayerFields) -> None:
         """Raise `SpecError` when the feature's value does not fit the rest of the layer."""
 
-    def canonical(self, spec: AttentionSpec) -> object:
+    def canonical(self, spec: LayerFields) -> object:
         """The one stored form of the feature's field (after `validate`), so that values that
         mean the same compare, hash and fingerprint the same."""
         return getattr(spec, self.field)
 
-    def record(self, spec: AttentionSpec) -> dict[str, object]:
+    def record(self, spec: LayerFields) -> dict[str, object]:
         """The feature's keys in `AttentionSpec.to_dict`. A new feature should list its key
         only when used, so that every earlier spec keeps its fingerprint."""
         value = getattr(spec, self.field)
         return {self.field: value.to_dict() if value is not None else None}
 
-    def explain(self, spec: AttentionSpec) -> str | None:
+    def explain(self, spec: LayerFields) -> str | None:
         """Its words in ``explain``'s spec line when used; ``None``: nothing to add."""
         return self.name
 
     # -- capabilities ---------------------------------------------------------------------
 
-    def reasons(self, support: S | None, spec: AttentionSpec) -> list[Reason]:
+    def reasons(self, support: S | None, spec: LayerFields) -> list[Reason]:
         """Why a backend declaring ``support`` (``None``: not declared) refuses ``spec``."""
         if self.support is None or not self.used(spec):
             return []
@@ -206,7 +238,7 @@ class Feature(Generic[S]):
             return [self.not_declared(spec)]
         return self.limits(support, spec)
 
-    def not_declared(self, spec: AttentionSpec) -> Reason:
+    def not_declared(self, spec: LayerFields) -> Reason:
         assert self.support is not None
         return Reason(
             self.code,
@@ -216,18 +248,18 @@ class Feature(Generic[S]):
             "None",
         )
 
-    def got(self, spec: AttentionSpec) -> str:
+    def got(self, spec: LayerFields) -> str:
         value = getattr(spec, self.field)
         return type(value).__name__
 
-    def limits(self, support: S, spec: AttentionSpec) -> list[Reason]:
+    def limits(self, support: S, spec: LayerFields) -> list[Reason]:
         """Reasons within a declared feature: the limits ``support`` does not lift."""
         return []
 
     # -- the float64 reference ------------------------------------------------------------
 
     def reference_visible(
-        self, spec: AttentionSpec, i: torch.Tensor, j: torch.Tensor, heads: range
+        self, spec: LayerFields, i: torch.Tensor, j: torch.Tensor, heads: range
     ) -> torch.Tensor | None:
         """Bool, broadcastable to ``[heads, L, L]``: the keys the feature leaves visible in one
         sequence (``i``: int64 ``[L, 1]`` query positions, ``j``: ``[1, L]`` key positions);
@@ -236,7 +268,7 @@ class Feature(Generic[S]):
 
     def reference_score(
         self,
-        spec: AttentionSpec,
+        spec: LayerFields,
         scores: torch.Tensor,
         i: torch.Tensor,
         j: torch.Tensor,
@@ -249,7 +281,7 @@ class Feature(Generic[S]):
     # -- conformance cases ----------------------------------------------------------------
 
     def cases(
-        self, support: S | None, base: AttentionSpec, masks: Sequence[bool]
+        self, support: S | None, base: LayerFields, masks: Sequence[bool]
     ) -> list[CaseSketch]:
         """Numeric cases for a backend declaring ``support``, on the ``masks`` it declares
         (True: causal). Names start with the mask ("causal-", "bidir-")."""
@@ -260,7 +292,7 @@ class Feature(Generic[S]):
         ``None``: not on this mask."""
         return None
 
-    def refusals(self, support: S | None, base: AttentionSpec) -> list[RefusalSketch]:
+    def refusals(self, support: S | None, base: LayerFields) -> list[RefusalSketch]:
         """Specs a backend declaring ``support`` (``None``: not declared) must refuse."""
         if support is not None or self.support is None:
             return []
@@ -269,7 +301,7 @@ class Feature(Generic[S]):
             return []
         return [RefusalSketch(self.name.replace("_", "-"), fields_on, self.code)]
 
-    def refusal_fields(self, base: AttentionSpec) -> dict[str, object] | None:
+    def refusal_fields(self, base: LayerFields) -> dict[str, object] | None:
         """Fields turning the feature on for a refusal case; ``None``: none on this base."""
         return None
 
@@ -285,10 +317,10 @@ class WindowFeature(Feature[WindowSupport]):
     title = "sliding-window masks"
     field = "window"
 
-    def used(self, spec: AttentionSpec) -> bool:
+    def used(self, spec: LayerFields) -> bool:
         return spec.window is not None
 
-    def validate(self, spec: AttentionSpec) -> None:
+    def validate(self, spec: LayerFields) -> None:
         window = spec.window
         if window is None:
             return
@@ -304,15 +336,15 @@ class WindowFeature(Feature[WindowSupport]):
                 "causal=False for a bidirectional window"
             )
 
-    def explain(self, spec: AttentionSpec) -> str | None:
+    def explain(self, spec: LayerFields) -> str | None:
         assert spec.window is not None
         return f"window {spec.window.left}/{spec.window.right}"
 
-    def got(self, spec: AttentionSpec) -> str:
+    def got(self, spec: LayerFields) -> str:
         assert spec.window is not None
         return spec.window.describe()
 
-    def limits(self, support: WindowSupport, spec: AttentionSpec) -> list[Reason]:
+    def limits(self, support: WindowSupport, spec: LayerFields) -> list[Reason]:
         assert spec.window is not None
         if spec.window.right and not support.right:
             return [
@@ -327,7 +359,7 @@ class WindowFeature(Feature[WindowSupport]):
         return []
 
     def reference_visible(
-        self, spec: AttentionSpec, i: torch.Tensor, j: torch.Tensor, heads: range
+        self, spec: LayerFields, i: torch.Tensor, j: torch.Tensor, heads: range
     ) -> torch.Tensor | None:
         assert spec.window is not None
         # Differences, not i + right: a side up to MAX_WINDOW never overflows.
@@ -349,7 +381,7 @@ class WindowFeature(Feature[WindowSupport]):
         ]
 
     def cases(
-        self, support: WindowSupport | None, base: AttentionSpec, masks: Sequence[bool]
+        self, support: WindowSupport | None, base: LayerFields, masks: Sequence[bool]
     ) -> list[CaseSketch]:
         assert support is not None
         out: list[CaseSketch] = []
@@ -377,10 +409,10 @@ class WindowFeature(Feature[WindowSupport]):
     def sample(self, support: WindowSupport, causal: bool) -> dict[str, object] | None:
         return {"window": SlidingWindow(5, 2 if not causal and support.right else 0)}
 
-    def refusal_fields(self, base: AttentionSpec) -> dict[str, object] | None:
+    def refusal_fields(self, base: LayerFields) -> dict[str, object] | None:
         return {"window": SlidingWindow.causal(8) if base.causal else SlidingWindow(4, 4)}
 
-    def refusals(self, support: WindowSupport | None, base: AttentionSpec) -> list[RefusalSketch]:
+    def refusals(self, support: WindowSupport | None, base: LayerFields) -> list[RefusalSketch]:
         if support is not None and not support.right:
             both = {"causal": False, "headwise": None, "window": SlidingWindow(4, 4)}
             return [RefusalSketch("window-right", both, self.code)]
@@ -394,32 +426,32 @@ class SoftcapFeature(Feature[SoftcapSupport]):
     title = "logit soft-capping"
     field = "logit_softcap"
 
-    def used(self, spec: AttentionSpec) -> bool:
+    def used(self, spec: LayerFields) -> bool:
         return spec.logit_softcap is not None
 
-    def validate(self, spec: AttentionSpec) -> None:
+    def validate(self, spec: LayerFields) -> None:
         if spec.logit_softcap is not None:
             low, high = SOFTCAP_RANGE
             bounded_number(
                 "AttentionSpec.logit_softcap", spec.logit_softcap, low, high, "Gemma 2: 50.0"
             )
 
-    def canonical(self, spec: AttentionSpec) -> object:
+    def canonical(self, spec: LayerFields) -> object:
         cap = spec.logit_softcap
         return float(cap) if cap is not None else None
 
-    def record(self, spec: AttentionSpec) -> dict[str, object]:
+    def record(self, spec: LayerFields) -> dict[str, object]:
         return {"logit_softcap": spec.logit_softcap}
 
-    def explain(self, spec: AttentionSpec) -> str | None:
+    def explain(self, spec: LayerFields) -> str | None:
         return f"softcap {spec.logit_softcap:g}"
 
-    def got(self, spec: AttentionSpec) -> str:
+    def got(self, spec: LayerFields) -> str:
         return str(spec.logit_softcap)
 
     def reference_score(
         self,
-        spec: AttentionSpec,
+        spec: LayerFields,
         scores: torch.Tensor,
         i: torch.Tensor,
         j: torch.Tensor,
@@ -430,7 +462,7 @@ class SoftcapFeature(Feature[SoftcapSupport]):
         return cap * torch.tanh(scores / cap)
 
     def cases(
-        self, support: SoftcapSupport | None, base: AttentionSpec, masks: Sequence[bool]
+        self, support: SoftcapSupport | None, base: LayerFields, masks: Sequence[bool]
     ) -> list[CaseSketch]:
         low, high = SOFTCAP_RANGE
         out: list[CaseSketch] = []
@@ -448,7 +480,7 @@ class SoftcapFeature(Feature[SoftcapSupport]):
     def sample(self, support: SoftcapSupport, causal: bool) -> dict[str, object] | None:
         return {"logit_softcap": 5.0}
 
-    def refusal_fields(self, base: AttentionSpec) -> dict[str, object] | None:
+    def refusal_fields(self, base: LayerFields) -> dict[str, object] | None:
         return {"logit_softcap": 30.0}
 
 
@@ -459,10 +491,10 @@ class AlibiFeature(Feature[AlibiSupport]):
     title = "ALiBi biases"
     field = "alibi"
 
-    def used(self, spec: AttentionSpec) -> bool:
+    def used(self, spec: LayerFields) -> bool:
         return spec.alibi is not None
 
-    def validate(self, spec: AttentionSpec) -> None:
+    def validate(self, spec: LayerFields) -> None:
         alibi = spec.alibi
         if alibi is None:
             return
@@ -477,20 +509,20 @@ class AlibiFeature(Feature[AlibiSupport]):
                 "heads: give one slope per query head, or AlibiSpec() for BLOOM's slopes"
             )
 
-    def canonical(self, spec: AttentionSpec) -> object:
+    def canonical(self, spec: LayerFields) -> object:
         alibi = spec.alibi
         if alibi is None or alibi.slopes is None:
             return alibi
         bloom = bloom_alibi_slopes(spec.num_heads)
         return AlibiSpec() if same_slopes(alibi.slopes, bloom) else alibi
 
-    def explain(self, spec: AttentionSpec) -> str | None:
+    def explain(self, spec: LayerFields) -> str | None:
         return "alibi"
 
-    def got(self, spec: AttentionSpec) -> str:
+    def got(self, spec: LayerFields) -> str:
         return "AlibiSpec"
 
-    def limits(self, support: AlibiSupport, spec: AttentionSpec) -> list[Reason]:
+    def limits(self, support: AlibiSupport, spec: LayerFields) -> list[Reason]:
         assert spec.alibi is not None
         reasons: list[Reason] = []
         if not spec.causal and not support.bidirectional:
@@ -528,7 +560,7 @@ class AlibiFeature(Feature[AlibiSupport]):
 
     def reference_score(
         self,
-        spec: AttentionSpec,
+        spec: LayerFields,
         scores: torch.Tensor,
         i: torch.Tensor,
         j: torch.Tensor,
@@ -543,7 +575,7 @@ class AlibiFeature(Feature[AlibiSupport]):
         return scores + slope[:, None, None] * distance
 
     def cases(
-        self, support: AlibiSupport | None, base: AttentionSpec, masks: Sequence[bool]
+        self, support: AlibiSupport | None, base: LayerFields, masks: Sequence[bool]
     ) -> list[CaseSketch]:
         assert support is not None
         heads = base.num_heads
@@ -573,10 +605,10 @@ class AlibiFeature(Feature[AlibiSupport]):
     def sample(self, support: AlibiSupport, causal: bool) -> dict[str, object] | None:
         return {"alibi": AlibiSpec()} if causal or support.bidirectional else None
 
-    def refusal_fields(self, base: AttentionSpec) -> dict[str, object] | None:
+    def refusal_fields(self, base: LayerFields) -> dict[str, object] | None:
         return {"alibi": AlibiSpec()}
 
-    def refusals(self, support: AlibiSupport | None, base: AttentionSpec) -> list[RefusalSketch]:
+    def refusals(self, support: AlibiSupport | None, base: LayerFields) -> list[RefusalSketch]:
         if support is None:
             return super().refusals(support, base)
         out: list[RefusalSketch] = []
@@ -606,10 +638,10 @@ class HeadwiseFeature(Feature[HeadwiseSupport]):
     title = "per-head (headwise) masks"
     field = "headwise"
 
-    def used(self, spec: AttentionSpec) -> bool:
+    def used(self, spec: LayerFields) -> bool:
         return spec.headwise is not None
 
-    def validate(self, spec: AttentionSpec) -> None:
+    def validate(self, spec: LayerFields) -> None:
         config = spec.headwise
         if config is None:
             return
@@ -623,11 +655,11 @@ class HeadwiseFeature(Feature[HeadwiseSupport]):
                 f"headwise retrieval heads {bad} are out of range for {spec.num_heads} heads"
             )
 
-    def got(self, spec: AttentionSpec) -> str:
+    def got(self, spec: LayerFields) -> str:
         return "HeadwiseConfig"
 
     def reference_visible(
-        self, spec: AttentionSpec, i: torch.Tensor, j: torch.Tensor, heads: range
+        self, spec: LayerFields, i: torch.Tensor, j: torch.Tensor, heads: range
     ) -> torch.Tensor | None:
         config = spec.headwise
         assert config is not None
@@ -639,7 +671,7 @@ class HeadwiseFeature(Feature[HeadwiseSupport]):
         return retrieval | local
 
     def cases(
-        self, support: HeadwiseSupport | None, base: AttentionSpec, masks: Sequence[bool]
+        self, support: HeadwiseSupport | None, base: LayerFields, masks: Sequence[bool]
     ) -> list[CaseSketch]:
         if True not in masks:
             return []
@@ -658,7 +690,7 @@ class HeadwiseFeature(Feature[HeadwiseSupport]):
     def sample(self, support: HeadwiseSupport, causal: bool) -> dict[str, object] | None:
         return {"headwise": HEADWISE_SAMPLE} if causal else None
 
-    def refusal_fields(self, base: AttentionSpec) -> dict[str, object] | None:
+    def refusal_fields(self, base: LayerFields) -> dict[str, object] | None:
         if not base.causal:
             return None  # headwise masks are causal
         return {"headwise": HeadwiseConfig(frozenset({0}), 2, 4, 8)}
@@ -671,22 +703,22 @@ class MlaFeature(Feature[MlaSupport]):
     title = "MLA attention"
     field = "use_mla"
 
-    def used(self, spec: AttentionSpec) -> bool:
+    def used(self, spec: LayerFields) -> bool:
         return spec.use_mla
 
-    def record(self, spec: AttentionSpec) -> dict[str, object]:
+    def record(self, spec: LayerFields) -> dict[str, object]:
         return {"use_mla": spec.use_mla}
 
-    def explain(self, spec: AttentionSpec) -> str | None:
+    def explain(self, spec: LayerFields) -> str | None:
         return "MLA"
 
-    def got(self, spec: AttentionSpec) -> str:
+    def got(self, spec: LayerFields) -> str:
         return "True"
 
-    def not_declared(self, spec: AttentionSpec) -> Reason:
+    def not_declared(self, spec: LayerFields) -> Reason:
         return Reason(self.code, "MLA attention not served", "use_mla", "True", "False")
 
-    def refusal_fields(self, base: AttentionSpec) -> dict[str, object] | None:
+    def refusal_fields(self, base: LayerFields) -> dict[str, object] | None:
         return {"use_mla": True}
 
 
@@ -700,16 +732,16 @@ class Fp8Feature(Feature[Fp8Support]):
     title = "FP8 input"
     field = "dtype"
 
-    def used(self, spec: AttentionSpec) -> bool:
+    def used(self, spec: LayerFields) -> bool:
         return spec.is_fp8
 
-    def record(self, spec: AttentionSpec) -> dict[str, object]:
+    def record(self, spec: LayerFields) -> dict[str, object]:
         return {}  # the dtype says it
 
-    def explain(self, spec: AttentionSpec) -> str | None:
+    def explain(self, spec: LayerFields) -> str | None:
         return None  # the dtype says it
 
-    def reasons(self, support: Fp8Support | None, spec: AttentionSpec) -> list[Reason]:
+    def reasons(self, support: Fp8Support | None, spec: LayerFields) -> list[Reason]:
         if not spec.is_fp8 or (support is not None and support.preprocess):
             return []
         applied = " and ".join(
@@ -731,11 +763,9 @@ class Fp8Feature(Feature[Fp8Support]):
             )
         ]
 
-    def refusals(self, support: Fp8Support | None, base: AttentionSpec) -> list[RefusalSketch]:
+    def refusals(self, support: Fp8Support | None, base: LayerFields) -> list[RefusalSketch]:
         if support is not None and support.preprocess:
             return []
-        from ._spec import RopeSpec
-
         fields_on = {"dtype": torch.float8_e4m3fn, "rope": RopeSpec(1e4)}
         return [RefusalSketch("fp8-rope", fields_on, self.code)]
 
@@ -751,31 +781,28 @@ class RopeScalingFeature(Feature[FeatureSupport]):
     title = "RoPE scaling"
     field = "rope"
 
-    def used(self, spec: AttentionSpec) -> bool:
+    def used(self, spec: LayerFields) -> bool:
         return spec.rope is not None and not spec.rope.is_plain
 
-    def validate(self, spec: AttentionSpec) -> None:
+    def validate(self, spec: LayerFields) -> None:
         """Nothing of its own: `RopeScaling` checks its values when built, and against the
         rotated dims when the spec takes its RoPE (``RopeScaling.check_rotary_dim``)."""
 
-    def record(self, spec: AttentionSpec) -> dict[str, object]:
+    def record(self, spec: LayerFields) -> dict[str, object]:
         return {}  # inside the record of ``rope`` (`RopeSpec.to_dict`)
 
-    def explain(self, spec: AttentionSpec) -> str | None:
+    def explain(self, spec: LayerFields) -> str | None:
         assert spec.rope is not None and spec.rope.scaling is not None
         return f"rope scaling {spec.rope.scaling.rope_type}"
 
     def cases(
-        self, support: FeatureSupport | None, base: AttentionSpec, masks: Sequence[bool]
+        self, support: FeatureSupport | None, base: LayerFields, masks: Sequence[bool]
     ) -> list[CaseSketch]:
         """One case per scaling rule on ``base``: the chosen pass must apply it (theta-only
         kernels refuse it, so the torch pass serves it) and match the float64 reference. The
         length-dependent rules (dynamic, longrope) run once below and once past their
         threshold of 16 tokens, so both sets of frequencies are checked; padding rows and
         strided input too."""
-        from ._rope_scaling import RopeScaling
-        from ._spec import RopeSpec
-
         pairs = base.head_dim // 2
         rules = {
             "linear": RopeScaling("linear", factor=4.0),
@@ -826,10 +853,10 @@ class ChunkFeature(Feature[ChunkSupport]):
     title = "chunked attention"
     field = "chunk_size"
 
-    def used(self, spec: AttentionSpec) -> bool:
+    def used(self, spec: LayerFields) -> bool:
         return spec.chunk_size is not None
 
-    def validate(self, spec: AttentionSpec) -> None:
+    def validate(self, spec: LayerFields) -> None:
         chunk = spec.chunk_size
         if chunk is None:
             return
@@ -844,18 +871,18 @@ class ChunkFeature(Feature[ChunkSupport]):
                 f"got {shown(chunk)}"
             )
 
-    def record(self, spec: AttentionSpec) -> dict[str, object]:
+    def record(self, spec: LayerFields) -> dict[str, object]:
         # Listed only when set: every spec without chunks keeps its fingerprint.
         return {} if spec.chunk_size is None else {"chunk_size": spec.chunk_size}
 
-    def explain(self, spec: AttentionSpec) -> str | None:
+    def explain(self, spec: LayerFields) -> str | None:
         return f"chunk {spec.chunk_size}"
 
-    def got(self, spec: AttentionSpec) -> str:
+    def got(self, spec: LayerFields) -> str:
         return f"chunk_size={spec.chunk_size}"
 
     def reference_visible(
-        self, spec: AttentionSpec, i: torch.Tensor, j: torch.Tensor, heads: range
+        self, spec: LayerFields, i: torch.Tensor, j: torch.Tensor, heads: range
     ) -> torch.Tensor | None:
         chunk = spec.chunk_size
         assert chunk is not None
@@ -864,7 +891,7 @@ class ChunkFeature(Feature[ChunkSupport]):
         )
 
     def cases(
-        self, support: ChunkSupport | None, base: AttentionSpec, masks: Sequence[bool]
+        self, support: ChunkSupport | None, base: LayerFields, masks: Sequence[bool]
     ) -> list[CaseSketch]:
         """Chunks that split the longer sequences at several offsets (8, 3), one token each
         (1), the bound (2**31 - 1: one chunk), with padding rows and MHA, and with a window
@@ -895,7 +922,7 @@ class ChunkFeature(Feature[ChunkSupport]):
     def sample(self, support: ChunkSupport, causal: bool) -> dict[str, object] | None:
         return {"chunk_size": 6}
 
-    def refusal_fields(self, base: AttentionSpec) -> dict[str, object] | None:
+    def refusal_fields(self, base: LayerFields) -> dict[str, object] | None:
         return {"chunk_size": 8}
 
 
