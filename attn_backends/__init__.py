@@ -7,11 +7,10 @@ selector that explains itself, and backends that arrive as pluggy plugins.
 from __future__ import annotations
 
 from ._backend._backend import Binding, PrefillBackend
-from ._backend._capabilities import Capabilities, PriorityRule, check_capabilities, check_platform
+from ._backend._capabilities import Capabilities, PriorityRule, check_capabilities
 from ._backend._kernels import KernelModule
 from ._backend._protocol import CudaGraphPrefill, NoCachePrefill
 from ._backend._reference import TOLERANCE, reference_attention, relative_error
-from ._model._dtypes import dtype_name
 from ._model._errors import (
     AttentionBackendError,
     BackendFailure,
@@ -56,15 +55,14 @@ from ._path._contract import (
     QKVViews,
     split_views,
 )
-from ._path._graph import PAD_CHUNK, GraphBucket, GraphPlan
-from ._path._preprocess import clear_preprocess_cache, preprocess_mode
+from ._path._graph import GraphBucket, GraphPlan
+from ._path._preprocess import clear_preprocess_cache
 from ._path._rope_passes import RopePass, register_rope_pass, rope_passes
 from ._plugins._hooks import (
     ENTRY_POINT_GROUP,
     PLUGIN_API_VERSION,
     PluginManifest,
     hookimpl,
-    hookspec,
 )
 from ._plugins._isolation import PLUGIN_TIMEOUT_ENV
 from ._plugins._policy import DISABLE_ENV, PLUGINS_ENV
@@ -83,7 +81,6 @@ from ._select._distributed import (
     check_consistent_across_ranks,
     select_across_ranks,
 )
-from ._select._flags import derive_need_rope_kv_cache
 from ._select._selector import (
     BACKEND_ENV,
     STRICT_ENV,
@@ -102,7 +99,6 @@ __all__ = [
     "BACKEND_ENV",
     "DISABLE_ENV",
     "ENTRY_POINT_GROUP",
-    "PAD_CHUNK",
     "PLUGINS_ENV",
     "PLUGIN_API_VERSION",
     "PLUGIN_TIMEOUT_ENV",
@@ -175,17 +171,12 @@ __all__ = [
     "bloom_alibi_slopes",
     "check_capabilities",
     "check_consistent_across_ranks",
-    "check_platform",
     "clear_preprocess_cache",
     "clear_selection_cache",
-    "derive_need_rope_kv_cache",
     "detect_platform",
-    "dtype_name",
     "get_registry",
     "hookimpl",
-    "hookspec",
     "parse_platform",
-    "preprocess_mode",
     "reference_attention",
     "register_rope_pass",
     "relative_error",

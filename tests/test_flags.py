@@ -8,6 +8,7 @@ import pytest
 import torch
 
 import attn_backends as ab
+from attn_backends._select._flags import derive_need_rope_kv_cache
 
 PLAIN = ab.AttentionSpec(4, 4, 64, torch.float32, causal=False)
 ROPE = ab.AttentionSpec(4, 4, 64, torch.float32, causal=True, rope=ab.RopeSpec(1e4))
@@ -44,15 +45,15 @@ TABLE = [
 def test_truth_table(spec, cache, explicit, expected):
     if expected is ERR:
         with pytest.raises(ERR) as info:
-            ab.derive_need_rope_kv_cache(spec, cache, explicit)
+            derive_need_rope_kv_cache(spec, cache, explicit)
         assert "need_rope_kv_cache=False" in str(info.value)
     else:
-        assert ab.derive_need_rope_kv_cache(spec, cache, explicit) is expected
+        assert derive_need_rope_kv_cache(spec, cache, explicit) is expected
 
 
 def test_explicit_true_without_work_is_logged(caplog):
     with caplog.at_level(logging.INFO, logger="attn_backends"):
-        assert ab.derive_need_rope_kv_cache(PLAIN, False, True) is True
+        assert derive_need_rope_kv_cache(PLAIN, False, True) is True
     assert "kept as given" in caplog.text
 
 

@@ -11,7 +11,7 @@ from attn_backends_builtin import flashinfer as flashinfer_plugin
 from attn_backends_builtin.flashinfer import GraphRagged
 
 import attn_backends as ab
-from attn_backends._path._graph import slot_lengths
+from attn_backends._path._graph import PAD_CHUNK, slot_lengths
 from tests.fakes.fake_flashinfer import FakeFlashinfer, install
 
 SM90 = ab.Platform(kind="cuda", arch="sm90", libraries=(("flashinfer", "fake"),))
@@ -66,7 +66,7 @@ def test_slot_lengths_cover_the_bucket_in_a_fixed_number_of_sequences():
         assert sum(slots) == bucket.max_tokens
         assert slots[: len(lengths)] == lengths
         assert all(n == 0 for n in slots[len(lengths) : bucket.max_batch])
-        assert all(0 <= n <= ab.PAD_CHUNK for n in slots[bucket.max_batch :])
+        assert all(0 <= n <= PAD_CHUNK for n in slots[bucket.max_batch :])
 
 
 def test_one_wrapper_replanned_in_place_serves_every_batch(fake):

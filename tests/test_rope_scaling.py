@@ -22,6 +22,7 @@ from attn_backends._backend._reference import TOLERANCE, reference_attention, re
 from attn_backends._model._fingerprint import canonical_json
 from attn_backends._path import _native, _preprocess
 from attn_backends._path._preprocess import apply_torch_pass, choose_preprocess, native_refusal
+from attn_backends.plugin import preprocess_mode
 from tests.fakes import fake_flashinfer_rope
 from tests.fakes.fake_flashinfer import install
 
@@ -299,7 +300,7 @@ def test_fused_kernels_are_never_asked_for_scaled_rope():
     for scaling in RULES.values():
         assert not caps.fuses_rope(spec_with(scaling), 64)
         assert not rule.matches(spec_with(scaling), H200)
-        assert ab.preprocess_mode(spec_with(scaling), fused_rope=True) == "torch"
+        assert preprocess_mode(spec_with(scaling), fused_rope=True) == "torch"
 
 
 def test_graph_mode_refuses_scaled_rope_and_says_why(monkeypatch):
