@@ -14,7 +14,14 @@ what it asked for and what to do instead. To keep it:
 - the mask hook refuses models whose attention modules bypass the registry
   (`_hf_models`, transformers' own ``_can_set_attn_implementation`` signal), and reads a
   chunked mask's chunk (Llama 4's ``attention_chunk_size``, `_hf_features`) into the spec of
-  every layer handed that mask;
+  every layer handed that mask; models that pick their attention module from a table by
+  implementation name are refused at load (`register` puts a refusing entry in those tables);
+- the hook returns a guard tensor (`_hf_mask.MaskGuard`) that only the attention function
+  reads: a model reading its mask anywhere else is refused at that read;
+- packed rows are refused before any layer runs for models with token mixers outside
+  attention (``config.layer_types``), and at `unpack_hidden` when fewer attention calls
+  than the model's attention layers read them; padded batches are refused for models whose
+  mixers read padded positions;
 - the hook records the model's ``mask_function``; the attention function evaluates it once
   per batch and compares it with what the spec computes over the batch's layout (`_hf_mask`);
 - 4-D masks are read by content, never by identity; `unpack_hidden` refuses packed
@@ -116,11 +123,13 @@ def padding_mask(
     attention_mask: torch.Tensor | None = None,
     **kwargs: Any,
 ) -> torch.Tensor:
-    """transformers' mask hook: a ``[batch, kv_length]`` bool padding mask (a new tensor).
+    """transformers' mask hook: a ``[batch, kv_length]`` guard tensor (`_hf_mask.MaskGuard`)
+    that only the registered attention function reads.
 
     No ``[B, 1, S, S]`` mask is built. The hook refuses models whose attention bypasses the
-    registry (they would add this tensor to their scores), and records the model's
-    ``mask_function`` (and a chunked mask's chunk) with the returned tensor: the attention
+    registry (they would add this tensor to their scores) and packed or padded input that
+    the model's other token mixers would misread, and records the model's ``mask_function``
+    (and a chunked mask's chunk) with the returned tensor: the attention
     function evaluates it once per batch against what it computes.
     """
     config = kwargs.get("config")
