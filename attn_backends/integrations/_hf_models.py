@@ -175,15 +175,16 @@ def attention_layers(config: Any) -> int | None:
 # --- models that pick their attention module from a table by implementation name ---------
 
 _TABLE = re.compile(r"^([A-Z][A-Z0-9_]*_ATTENTION_CLASSES)\s*=\s*\{", re.MULTILINE)
-_tables_found: list[tuple[str, str]] = []
+_tables_found: list[tuple[str, str]] | None = None
 
 
 def _attention_tables() -> list[tuple[str, str]]:
     """``(modeling module, table)`` for each modeling module of the installed transformers
     that defines a module-level ``*_ATTENTION_CLASSES = {...}`` table: read from the source
     text (no import), once per process."""
+    global _tables_found
     with _lock:
-        if _tables_found:
+        if _tables_found is not None:
             return list(_tables_found)
     import transformers
 
@@ -196,8 +197,8 @@ def _attention_tables() -> list[tuple[str, str]]:
         module = f"transformers.models.{path.parent.name}.{path.stem}"
         found.extend((module, m.group(1)) for m in _TABLE.finditer(text))
     with _lock:
-        _tables_found[:] = found
-    return found
+        _tables_found = found
+    return list(found)
 
 
 class _RefusedAttention:
