@@ -33,9 +33,10 @@ import torch
 
 transformers = pytest.importorskip("transformers")
 
-from attn_backends._errors import IntegrationError, MaskMismatchError  # noqa: E402
+from attn_backends import IntegrationError  # noqa: E402
 from attn_backends.integrations import _hf_mask, _hf_models, _packed  # noqa: E402
 from attn_backends.integrations import transformers as abt  # noqa: E402
+from attn_backends.integrations.transformers import MaskMismatchError  # noqa: E402
 
 NAME = abt.register()
 VOCAB = 64
