@@ -361,6 +361,8 @@ def test_case5_an_extended_mask_that_is_a_bias_or_not_padding_is_refused():
     bias[0, ..., 3] = -5.0  # a bias on the scores, not a mask
     with pytest.raises(MaskMismatchError, match=r"values other than 0 and -inf"):
         abt.attention_forward(layer, q, q, q, bias)
+    with pytest.raises(IntegrationError, match=r"dtype torch.int64"):
+        abt.attention_forward(layer, q, q, q, torch.zeros(2, 1, 1, 6, dtype=torch.long))
     padding = torch.zeros(2, 1, 1, 6)
     padding[1, ..., 4:] = torch.finfo(torch.float32).min
     # a causal layer: the key-only mask lets queries see later keys

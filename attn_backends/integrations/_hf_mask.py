@@ -455,6 +455,11 @@ def _allowed_of_4d(mask: torch.Tensor, model_name: str) -> torch.Tensor:
     mask = mask.expand(*mask.shape[:2], mask.shape[-1], mask.shape[-1])
     if mask.dtype == torch.bool:
         allowed = mask
+    elif not mask.dtype.is_floating_point:
+        raise IntegrationError(
+            f"{model_name}: a 4-D attention mask of dtype {mask.dtype}; attn_backends reads "
+            "bool masks (True: seen) and additive float masks (0 or -inf); pass one of them"
+        )
     else:
         allowed = mask == 0
         hidden = mask <= torch.finfo(mask.dtype).min / 2
