@@ -227,6 +227,17 @@ def test_case3_hybrid_layer_types_refuse_packed_input_before_any_layer_runs(monk
     _assert_padded_matches(eager, served, left=True)
 
 
+def test_case3_packing_the_mask_hook_cannot_see_is_refused_at_the_first_attention_layer():
+    """With a 2-D mask given (or cu_seq_lens alone), transformers does not mark the packing in
+    the mask: the first attention layer that reads the boundaries refuses them."""
+    _, served = _pair(transformers.Lfm3Model, _lfm3())
+    packed = abt.pack_sequences(_sequences())
+    ones = torch.ones_like(packed["input_ids"])
+    for extra in ({"attention_mask": ones}, {"position_ids": None}):
+        with pytest.raises(IntegrationError, match=r"Lfm3Model \(Lfm3Attention\) is given packed"):
+            _hidden(served, **{**packed, **extra}, use_cache=False)
+
+
 def test_case3_qwen3_next_packed_is_a_named_refusal_not_transformers_error():
     config = transformers.Qwen3NextConfig(
         vocab_size=VOCAB,

@@ -87,6 +87,9 @@ class MaskRequest:
     attention_layers: int | None = None
     """Attention calls one forward makes at least (`_hf_models.attention_layers`): a packed
     row read by fewer was mixed across its boundaries by the other layers."""
+    mixers: tuple[str, ...] = ()
+    """The model's token mixers outside attention (`_hf_models.token_mixers_outside_attention`):
+    packed rows are refused for them."""
     serial: int = 0
     """Order of the hook calls (`record`): the requests of one forward are all made before its
     first attention call, so a higher serial than any seen at that call starts a new forward."""

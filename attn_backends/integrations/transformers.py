@@ -173,6 +173,7 @@ def padding_mask(
     request = MaskRequest(model, batch_size, kv_length, device, padding, evaluate, chunk)
     if config is not None:
         request.attention_layers = _hf_models.attention_layers(config)
+        request.mixers = _hf_models.token_mixers_outside_attention(config)
     return _hf_mask.record(_hf_mask.guard(token, model), request)
 
 
@@ -202,17 +203,18 @@ def _refuse_packed_mixers(
     transformers marks packed rows (restarting ``position_ids``) in the mask function; a
     mask that hides some token's left neighbour splits its row."""
     mixers = _hf_models.token_mixers_outside_attention(config)
-    if not mixers:
-        return
     # a chunked mask (``chunk``) splits rows at chunk starts by itself: not counted
-    if _hf_mask.splits_rows(evaluate, batch, length, chunk):
-        raise IntegrationError(
-            f"{model} is given packed sequences (position_ids that restart within a row), but "
-            f"its layers of kind {', '.join(mixers)} mix tokens outside the attention "
-            "function and would run across the sequences' boundaries; attn_backends keeps "
-            "only its attention layers apart. Pass a padded batch (each sequence its own "
-            "row) instead"
-        )
+    if mixers and _hf_mask.splits_rows(evaluate, batch, length, chunk):
+        raise IntegrationError(_packed_mixers_message(model, mixers))
+
+
+def _packed_mixers_message(model: str, mixers: tuple[str, ...]) -> str:
+    return (
+        f"{model} is given packed sequences, but its layers of kind {', '.join(mixers)} mix "
+        "tokens outside the attention function and would run across the sequences' "
+        "boundaries; attn_backends keeps only its attention layers apart. Pass a padded batch "
+        "(each sequence its own row) instead"
+    )
 
 
 def _refuse_unsupported_call(
@@ -381,6 +383,12 @@ def _hooked_layout(
         if entry is None or entry[0] is not source:
             entry = (source, _packed_layout(kind, source, batch, seq, kwargs))
             request.layouts[key] = entry  # the source kept alive: its id stays its own
+        if entry[1].segments and request.mixers:
+            # packed by kwargs the hook did not see (a 2-D mask given, or cu_seq_lens without
+            # restarting position_ids): refused at the first attention layer
+            raise IntegrationError(
+                _packed_mixers_message(f"{request.model} ({layer})", request.mixers)
+            )
         if entry[1].segments:
             mark_served(
                 source,
