@@ -31,6 +31,7 @@ from tokenizers import Tokenizer, models, pre_tokenizers, processors  # noqa: E4
 from transformers import AttentionInterface, PreTrainedTokenizerFast  # noqa: E402
 
 from attn_backends import IntegrationError  # noqa: E402
+from attn_backends.integrations import _hf_mask  # noqa: E402
 from attn_backends.integrations import sentence_transformers as abst  # noqa: E402
 from attn_backends.integrations import transformers as abt  # noqa: E402
 
@@ -224,8 +225,9 @@ def attention_calls(name: str = abt.DEFAULT_NAME) -> Iterator[list[Call]]:
     def spy(module, query, key, value, attention_mask, *args, **kwargs):
         cu = kwargs.get("cu_seq_lens_q")
         padding = 0
-        if isinstance(attention_mask, torch.Tensor) and attention_mask.dim() == 2:
-            padding = int((~attention_mask.bool()).sum())
+        hooked = _hf_mask.request_of(attention_mask)  # the mask hook's guard: its padding
+        if hooked is not None:
+            padding = 0 if hooked.padding is None else int((~hooked.padding).sum())
         elif attention_mask is not None:
             padding = -1  # a 4-D mask: not the packed form
         calls.append(

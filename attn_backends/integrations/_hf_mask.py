@@ -29,6 +29,7 @@ forward and mask kind, not per layer.
 
 from __future__ import annotations
 
+import itertools
 import threading
 import weakref
 from collections import OrderedDict
@@ -45,12 +46,17 @@ from . import _layout
 from ._layout import BatchLayout
 
 __all__ = [
+    "MaskGuard",
     "MaskRequest",
     "ModelMask",
     "check_mask",
+    "guard",
     "layout_of_4d",
+    "mask_4d_is_causal",
+    "newest_serial",
     "record",
     "request_of",
+    "splits_rows",
 ]
 
 ModelMask = Callable[[int, int, int, int, int], torch.Tensor]
@@ -78,20 +84,129 @@ class MaskRequest:
     chunk_size: int | None = None
     """The chunk of a chunked mask (``attention_chunk_size``): the spec's ``chunk_size`` for
     every layer handed this mask."""
+    attention_layers: int | None = None
+    """Attention calls one forward makes at least (`_hf_models.attention_layers`): a packed
+    row read by fewer was mixed across its boundaries by the other layers."""
+    mixers: tuple[str, ...] = ()
+    """The model's token mixers outside attention (`_hf_models.token_mixers_outside_attention`):
+    packed rows are refused for them."""
+    serial: int = 0
+    """Order of the hook calls (`record`): the requests of one forward are all made before its
+    first attention call, so a higher serial than any seen at that call starts a new forward."""
     layouts: dict[Hashable, tuple[object, BatchLayout]] = field(default_factory=dict)
     """Per layout source: the source object (kept alive, so its id stays its own) and the
     layout."""
     checked: set[Hashable] = field(default_factory=set)
     selections: dict[Hashable, Selection] = field(default_factory=dict)
+    _causal: list[bool] = field(default_factory=list)
+    """The probe's answer, once per forward (`mask_is_causal`)."""
+
+    def mask_is_causal(self) -> bool | None:
+        """Whether the model's own mask hides a later token from an earlier one: the first
+        two valid tokens of a row are probed (one cell; causal and bidirectional masks
+        differ there, windows do not). None when the mask is unknown or no row has two
+        valid tokens. For layers that declare no causal flag: the mask is their rule."""
+        if self.evaluate is None:
+            return None
+        if not self._causal:
+            valid = (
+                self.padding
+                if self.padding is not None
+                else torch.ones(self.batch, self.length, dtype=torch.bool, device=self.device)
+            )
+            rows = (valid.sum(dim=1) >= 2).nonzero().reshape(-1)
+            if rows.numel() == 0:
+                return None
+            row = int(rows[0])
+            first, second = (int(c) for c in valid[row].nonzero().reshape(-1)[:2].tolist())
+            sees_later = bool(self.evaluate(row + 1, first, 1, second, 1)[row, 0, 0])
+            self._causal.append(not sees_later)
+        return self._causal[0]
 
 
 _requests: dict[int, tuple[weakref.ref[torch.Tensor], MaskRequest]] = {}
 _requests_lock = threading.Lock()
 
 
+class MaskGuard(torch.Tensor):
+    """What the mask hook hands the model: a placeholder meant for the registered attention
+    function only, which finds its `MaskRequest` by identity and never reads its values.
+
+    Some models read the mask themselves before attention (a dynamic mask, a sparse-attention
+    indexer that selects keys from it, a slice to the key length) and expect transformers'
+    4-D mask there. Any torch operation on the placeholder (reading its dtype or shape, an
+    index, arithmetic) raises `IntegrationError` naming the model, so such a model is refused
+    at its first use of the mask instead of crashing or misreading it. Passing it along
+    (arguments, dicts, ``is None``), ``repr``, ``.device`` and a ``.to()`` that changes
+    nothing are allowed: that is transformers' plumbing between the hook and the layers.
+    """
+
+    _model: str
+
+    @classmethod
+    def __torch_function__(
+        cls,
+        func: Callable[..., Any],
+        types: Any,
+        args: tuple[Any, ...] = (),
+        kwargs: dict[str, Any] | None = None,
+    ) -> Any:
+        with torch._C.DisableTorchFunctionSubclass():
+            if any(func == allowed for allowed in _GUARD_HARMLESS):
+                return func(*args, **(kwargs or {}))
+            if func is torch.Tensor.to and args and isinstance(args[0], MaskGuard):
+                moved = func(*args, **(kwargs or {}))
+                if moved is args[0]:  # a no-op: same device, dtype and layout
+                    return moved
+        guard = next((a for a in args if isinstance(a, MaskGuard)), None)
+        model = guard._model if guard is not None else "the model"
+        what = _operation(func)
+        raise IntegrationError(
+            f"{model} reads its attention mask outside the attention function ({what}: "
+            "a dynamic mask, or a sparse-attention indexer that selects keys from it); "
+            "attn_backends hands the layers a placeholder that only its "
+            "attention function reads, so it cannot serve this model. Load it with "
+            "attn_implementation='sdpa' or 'eager'"
+        )
+
+
+def _operation(func: Callable[..., Any]) -> str:
+    """``mask.dtype``, ``mask.__getitem__()``: the operation, for the message."""
+    # untyped: any callable torch dispatches; a property read is its descriptor's __get__
+    name = str(getattr(func, "__name__", func))
+    owner = getattr(func, "__self__", None)
+    if name == "__get__" and owner is not None:
+        return f"mask.{getattr(owner, '__name__', owner)}"
+    return f"mask.{name}()"
+
+
+_GUARD_HARMLESS: tuple[object, ...] = (
+    torch.Tensor.__repr__,
+    torch.Tensor.__format__,
+    torch.Tensor.device.__get__,
+)
+
+
+def guard(token: torch.Tensor, model: str) -> MaskGuard:
+    """``token`` as a `MaskGuard` for ``model`` (same storage, no copy)."""
+    guarded = token.as_subclass(MaskGuard)
+    guarded._model = model
+    return guarded
+
+
+_serials = itertools.count(1)
+_newest = [0]
+
+
+def newest_serial() -> int:
+    """The serial of the latest request recorded."""
+    return _newest[0]
+
+
 def record(token: torch.Tensor, request: MaskRequest) -> torch.Tensor:
     """Tie ``request`` to the tensor the hook returns; it lives as long as that tensor."""
     key = id(token)
+    request.serial = _newest[0] = next(_serials)
 
     def forget(_: object, key: int = key) -> None:
         with _requests_lock:
@@ -139,6 +254,26 @@ def hook_mask(
         return torch.as_tensor(mask).to(torch.bool)[:, 0].expand(rows, q_len, kv_len)
 
     return evaluate
+
+
+def splits_rows(model: ModelMask, batch: int, length: int, chunk: int | None) -> bool:
+    """Whether ``model``'s mask hides a token's left neighbour from it somewhere in rows
+    without padding: then it splits the rows into sequences (packed input, sequence ids).
+    Causal, bidirectional and sliding-window masks never do; a chunked mask does at each
+    chunk start (positions that are multiples of ``chunk``), which is not counted. Evaluated
+    in tiles along the diagonal: about ``batch x length x tile`` cells."""
+    step = max(2, min(length, TILE_ELEMENTS // max(1, batch * length)))
+    for q0 in range(1, length, step):
+        q1 = min(length, q0 + step)
+        allowed = model(batch, q0, q1 - q0, q0 - 1, q1 - q0 + 1)
+        neighbour = allowed.diagonal(offset=0, dim1=-2, dim2=-1)  # key q - 1 for query q
+        hidden = ~neighbour
+        if chunk is not None and chunk > 0:
+            positions = torch.arange(q0, q1, device=hidden.device)
+            hidden = hidden & (positions % chunk != 0)
+        if bool(hidden.any()):
+            return True
+    return False
 
 
 @dataclass(frozen=True)
@@ -311,19 +446,51 @@ _ENTRIES_4D = 4
 
 
 def _allowed_of_4d(mask: torch.Tensor, model_name: str) -> torch.Tensor:
-    """``[B, S, S]`` bool: what a ``[B, 1 or H, S, S]`` bool or additive mask allows."""
-    if mask.dim() != 4 or mask.shape[-1] != mask.shape[-2]:
+    """``[B, S, S]`` bool: what a ``[B, 1 or H, S, S]`` bool or additive mask allows; a
+    ``[B, 1 or H, 1, S]`` mask (the extended padding mask BERT-style models build themselves)
+    is the same for every query. An additive mask must be a mask: 0 where a key is seen, -inf
+    or the dtype's most negative values where it is not; any other value is a bias."""
+    if mask.dim() != 4 or mask.shape[-2] not in (1, mask.shape[-1]):
         raise IntegrationError(
-            f"{model_name}: a 4-D attention mask must be [batch, 1 or heads, seq, seq] over "
-            f"the same queries and keys, got {tuple(mask.shape)}; pass the 2-D padding mask"
+            f"{model_name}: a 4-D attention mask must be [batch, 1 or heads, seq or 1, seq] "
+            f"over the same queries and keys, got {tuple(mask.shape)}; pass the 2-D padding mask"
         )
-    allowed = mask if mask.dtype == torch.bool else mask == 0
+    mask = mask.expand(*mask.shape[:2], mask.shape[-1], mask.shape[-1])
+    if mask.dtype == torch.bool:
+        allowed = mask
+    elif not mask.dtype.is_floating_point:
+        raise IntegrationError(
+            f"{model_name}: a 4-D attention mask of dtype {mask.dtype}; attn_backends reads "
+            "bool masks (True: seen) and additive float masks (0 or -inf); pass one of them"
+        )
+    else:
+        allowed = mask == 0
+        hidden = mask <= torch.finfo(mask.dtype).min / 2
+        if not bool((allowed | hidden).all()):
+            raise MaskMismatchError(
+                f"{model_name}: the additive 4-D attention mask holds values other than 0 and "
+                "-inf (or the dtype's minimum): a bias on the scores, which attn_backends does "
+                "not add. Use attn_implementation='sdpa' or 'eager' for it"
+            )
     if not bool((allowed == allowed[:, :1]).all()):
         raise MaskMismatchError(
             f"{model_name}: the 4-D attention mask differs between heads; attn_backends applies "
             "one mask to every head. Use attn_implementation='sdpa' for per-head masks"
         )
     return allowed[:, 0]
+
+
+def mask_4d_is_causal(mask: torch.Tensor, model_name: str) -> bool | None:
+    """Whether a 4-D mask hides the second valid token of a row from the first (see
+    `MaskRequest.mask_is_causal`); None when no row has two valid tokens."""
+    allowed = _allowed_of_4d(mask, model_name)
+    valid = allowed.diagonal(dim1=-2, dim2=-1)
+    rows = (valid.sum(dim=1) >= 2).nonzero().reshape(-1)
+    if rows.numel() == 0:
+        return None
+    row = int(rows[0])
+    first, second = (int(c) for c in valid[row].nonzero().reshape(-1)[:2].tolist())
+    return not bool(allowed[row, first, second])
 
 
 def layout_of_4d(

@@ -21,12 +21,21 @@ decides.
 from __future__ import annotations
 
 import importlib
+import re
 import threading
+from pathlib import Path
 from typing import Any
 
 from .._model._errors import IntegrationError
 
-__all__ = ["model_name", "refuse_bypassing_model"]
+__all__ = [
+    "attention_layers",
+    "model_name",
+    "padding_blind_mixers",
+    "refuse_bypassing_model",
+    "refuse_in_attention_tables",
+    "token_mixers_outside_attention",
+]
 
 
 _classes: dict[type, tuple[Any, ...]] = {}
@@ -106,3 +115,125 @@ def refuse_bypassing_model(config: Any) -> None:
             f"it), so attn_implementation={config._attn_implementation!r} cannot serve it; "
             "load it with attn_implementation='sdpa' or 'eager'"
         )
+
+
+ATTENTION_LAYER_KINDS = frozenset({"full_attention", "sliding_attention", "chunked_attention"})
+"""``config.layer_types`` entries whose layer mixes tokens through the attention function
+alone (which keeps packed sequences apart)."""
+TOKENWISE_LAYER_KINDS = frozenset({"mlp", "moe"})
+"""Entries whose layer does not mix tokens at all (NemotronH's MLP and MoE blocks)."""
+
+
+def _text_config(config: Any) -> Any:
+    # transformers' configs are untyped; a composite hands its text sub-config to the mask
+    # helpers, but a few pass the outer one
+    layer_types = getattr(config, "layer_types", None)
+    if layer_types is None and callable(getattr(config, "get_text_config", None)):
+        return config.get_text_config()
+    return config
+
+
+PADDING_BLIND_MIXERS = {"use_repmixer_blocks": "RepMixer convolutions (use_repmixer_blocks)"}
+"""Config flags of token mixers that ``layer_types`` does not list and that read the padded
+positions of a batch (Sam3-LiteText's depthwise convolutions): the attention output there is
+the model's to define, and attn_backends leaves it at 0."""
+
+
+def padding_blind_mixers(config: Any) -> tuple[str, ...]:
+    """The token mixers of ``config`` that read padded positions (`PADDING_BLIND_MIXERS`)."""
+    text = _text_config(config)
+    # untyped config: the flags exist only on the models that have such mixers
+    return tuple(what for flag, what in PADDING_BLIND_MIXERS.items() if getattr(text, flag, False))
+
+
+def token_mixers_outside_attention(config: Any) -> tuple[str, ...]:
+    """The kinds of ``config.layer_types`` that mix tokens by other means than the attention
+    function (linear attention, gated delta rules, Mamba, RG-LRU, short convolutions, the
+    ``hybrid`` attention-plus-SSM blocks) or that this library does not know: such layers
+    run across the boundaries of packed sequences. Any kind not known to be attention or
+    token-wise counts, so a new kind of mixer is refused rather than trusted."""
+    layer_types = getattr(_text_config(config), "layer_types", None)  # untyped config
+    kinds = dict.fromkeys(
+        repr(str(kind)) for kind in (layer_types if isinstance(layer_types, (list, tuple)) else ())
+    )
+    known = {repr(k) for k in ATTENTION_LAYER_KINDS | TOKENWISE_LAYER_KINDS}
+    return (*(k for k in kinds if k not in known), *padding_blind_mixers(config))
+
+
+def attention_layers(config: Any) -> int | None:
+    """How many attention calls one forward of a model of ``config`` makes at least: one per
+    attention entry of ``layer_types``, else one per decoder layer (``num_hidden_layers``).
+    None when the config says neither."""
+    text = _text_config(config)
+    layer_types = getattr(text, "layer_types", None)  # untyped config
+    if isinstance(layer_types, (list, tuple)):
+        return sum(str(kind) in ATTENTION_LAYER_KINDS for kind in layer_types)
+    layers = getattr(text, "num_hidden_layers", None)
+    return layers if isinstance(layers, int) and not isinstance(layers, bool) else None
+
+
+# --- models that pick their attention module from a table by implementation name ---------
+
+_TABLE = re.compile(r"^([A-Z][A-Z0-9_]*_ATTENTION_CLASSES)\s*=\s*\{", re.MULTILINE)
+_tables_found: list[tuple[str, str]] | None = None
+
+
+def _attention_tables() -> list[tuple[str, str]]:
+    """``(modeling module, table)`` for each modeling module of the installed transformers
+    that defines a module-level ``*_ATTENTION_CLASSES = {...}`` table: read from the source
+    text (no import), once per process."""
+    global _tables_found
+    with _lock:
+        if _tables_found is not None:
+            return list(_tables_found)
+    import transformers
+
+    root = Path(transformers.__file__).parent / "models"
+    found: list[tuple[str, str]] = []
+    for path in sorted(root.glob("*/modeling_*.py")):
+        text = path.read_text(encoding="utf-8", errors="replace")
+        if "_ATTENTION_CLASSES" not in text:
+            continue
+        module = f"transformers.models.{path.parent.name}.{path.stem}"
+        found.extend((module, m.group(1)) for m in _TABLE.finditer(text))
+    with _lock:
+        _tables_found = found
+    return list(found)
+
+
+class _RefusedAttention:
+    """What a table of attention modules holds under the registered name: building a layer
+    raises `IntegrationError` naming the model, at load, instead of transformers' KeyError."""
+
+    table = ""
+
+    def __init__(self, config: Any, *args: object, **kwargs: object) -> None:
+        raise IntegrationError(
+            f"{model_name(config)} picks its attention module by implementation name from "
+            f"transformers' {self.table} (eager, sdpa, flash attention): it computes attention "
+            "in its own modules, not through transformers' attention registry, so "
+            f"attn_implementation={config._attn_implementation!r} cannot serve it; load it "
+            "with attn_implementation='sdpa' or 'eager'"
+        )
+
+
+def refuse_in_attention_tables(name: str) -> None:
+    """Make ``name`` a named refusal in every ``*_ATTENTION_CLASSES`` table of transformers.
+
+    Falcon, GPT-Neo, Bark, GIT, SAM and a few vision models build each layer's attention as
+    ``TABLE[config._attn_implementation](config, ...)``: with a registered name their load
+    fails with ``KeyError`` inside transformers, which offers no hook before it (the attention
+    and mask registries are consulted only at forward). The table gets an entry under ``name``
+    whose construction raises `IntegrationError`. A table's module that does not import (an
+    optional dependency missing) cannot build its model either, and is skipped.
+    """
+    for module_name, table_name in _attention_tables():
+        try:
+            module = importlib.import_module(module_name)
+        except Exception:  # any import failure: that model cannot load at all
+            continue
+        table = vars(module).get(table_name)
+        if isinstance(table, dict) and name not in table:
+            table[name] = type(
+                f"AttnBackendsRefused_{table_name}", (_RefusedAttention,), {"table": table_name}
+            )

@@ -16,13 +16,16 @@ import itertools
 import threading
 import weakref
 from collections.abc import Sequence
-from typing import TypedDict
+from dataclasses import dataclass
+from typing import Generic, TypedDict, TypeVar
 
 import torch
 
 from .._model._errors import IntegrationError
 
 __all__ = ["PackedBatch", "mark_served", "pack_sequences", "unpack_hidden"]
+
+_T = TypeVar("_T")
 
 
 class PackedBatch(TypedDict):
@@ -36,14 +39,15 @@ class PackedBatch(TypedDict):
     max_length_k: int
 
 
-class _Tracked:
-    """Tensors by identity (a weak reference each, dropped with the tensor)."""
+class _Tracked(Generic[_T]):
+    """Tensors by identity, each with a value (a weak reference each, dropped with the
+    tensor)."""
 
     def __init__(self) -> None:
-        self._items: dict[int, tuple[weakref.ref[torch.Tensor], torch.Tensor | None]] = {}
+        self._items: dict[int, tuple[weakref.ref[torch.Tensor], _T | None]] = {}
         self._lock = threading.Lock()
 
-    def put(self, t: torch.Tensor, partner: torch.Tensor | None = None) -> None:
+    def put(self, t: torch.Tensor, partner: _T | None = None) -> None:
         key = id(t)
 
         def forget(_: object, key: int = key) -> None:
@@ -53,25 +57,62 @@ class _Tracked:
         with self._lock:
             self._items[key] = (weakref.ref(t, forget), partner)
 
-    def get(self, t: torch.Tensor) -> tuple[bool, torch.Tensor | None]:
+    def get(self, t: torch.Tensor) -> tuple[bool, _T | None]:
         entry = self._items.get(id(t))
         if entry is None or entry[0]() is not t:
             return False, None
         return True, entry[1]
 
 
-_served = _Tracked()
-"""Boundary tensors an attention layer has read."""
-_partners = _Tracked()
+@dataclass
+class _Served:
+    calls: int
+    """Attention calls of the latest forward that read the boundaries."""
+    expected: int | None
+    """Attention calls that forward should have made (its model's attention layers), if
+    known."""
+    epoch: int
+    """The newest mask-hook serial when that forward's first attention call came."""
+
+    @property
+    def complete(self) -> bool:
+        return self.expected is None or self.calls >= self.expected
+
+
+_served: _Tracked[_Served] = _Tracked()
+"""Boundary tensors an attention layer has read, and how many layers of one forward did."""
+_partners: _Tracked[torch.Tensor] = _Tracked()
 """``position_ids`` made by `pack_sequences` -> the ``cu_seq_lens`` made with them."""
 
 
-def mark_served(boundaries: torch.Tensor) -> None:
-    """Called by the attention function for the tensor that gave a packed batch its layout."""
-    _served.put(boundaries)
+def mark_served(
+    boundaries: torch.Tensor,
+    *,
+    request: int | None = None,
+    newest: int = 0,
+    expected: int | None = None,
+) -> None:
+    """Called by the attention function for the tensor that gave a packed batch its layout.
+
+    ``request`` is the serial of the mask-hook call behind this attention call (None without
+    one), ``newest`` the newest serial issued, ``expected`` the attention calls the model's
+    forward makes. Calls are counted per forward, across its mask kinds (a model with local
+    and global layers asks the hook twice): a request newer than the forward being counted
+    starts the next forward.
+    """
+    targets = [boundaries]
     found, partner = _partners.get(boundaries)
     if found and partner is not None:
-        _served.put(partner)
+        targets.append(partner)
+    for t in targets:
+        _, before = _served.get(t)
+        if request is None:
+            _served.put(t, _Served(1, None, 0))
+        elif before is None or request > before.epoch:
+            _served.put(t, _Served(1, expected, newest))
+        else:
+            before.calls += 1
+            before.expected = expected
 
 
 def pack_sequences(
@@ -146,11 +187,20 @@ def unpack_hidden(hidden: torch.Tensor, cu_seq_lens: torch.Tensor) -> list[torch
             f"cu_seq_lens {bounds[:6]}{'...' if len(bounds) > 6 else ''} do not split the "
             f"{tokens} packed tokens: they must start at 0, never decrease and end at {tokens}"
         )
-    if not _served.get(cu_seq_lens)[0]:
+    found, served = _served.get(cu_seq_lens)
+    if not found:
         raise IntegrationError(
             "no attention layer served these cu_seq_lens: the model never ran its attention "
             "through attn_backends on this packed batch (it computes attention in its own "
             "modules, or does not pass cu_seq_lens/position_ids to its attention layers), so "
             "its sequences attended to each other. Run such a model on a padded batch instead"
+        )
+    if served is not None and not served.complete:
+        raise IntegrationError(
+            f"only {served.calls} attention calls of the model's {served.expected} attention "
+            "layers read these cu_seq_lens: its other layers mix tokens by other means (linear "
+            "attention, state-space or recurrent blocks, convolutions) or run attention "
+            "outside attn_backends, across the packed sequences' boundaries. Run such a model "
+            "on a padded batch instead"
         )
     return [hidden[0, a:b] for a, b in itertools.pairwise(bounds)]

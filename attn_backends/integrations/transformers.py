@@ -14,7 +14,14 @@ what it asked for and what to do instead. To keep it:
 - the mask hook refuses models whose attention modules bypass the registry
   (`_hf_models`, transformers' own ``_can_set_attn_implementation`` signal), and reads a
   chunked mask's chunk (Llama 4's ``attention_chunk_size``, `_hf_features`) into the spec of
-  every layer handed that mask;
+  every layer handed that mask; models that pick their attention module from a table by
+  implementation name are refused at load (`register` puts a refusing entry in those tables);
+- the hook returns a guard tensor (`_hf_mask.MaskGuard`) that only the attention function
+  reads: a model reading its mask anywhere else is refused at that read;
+- packed rows are refused before any layer runs for models with token mixers outside
+  attention (``config.layer_types``), and at `unpack_hidden` when fewer attention calls
+  than the model's attention layers read them; padded batches are refused for models whose
+  mixers read padded positions;
 - the hook records the model's ``mask_function``; the attention function evaluates it once
   per batch and compares it with what the spec computes over the batch's layout (`_hf_mask`);
 - 4-D masks are read by content, never by identity; `unpack_hidden` refuses packed
@@ -95,6 +102,7 @@ def register(name: str = DEFAULT_NAME, *, backend: str | None = None) -> str:
     )
     AttentionInterface.register(name, attend)
     AttentionMaskInterface.register(name, padding_mask)
+    _hf_models.refuse_in_attention_tables(name)
     return name
 
 
@@ -115,11 +123,13 @@ def padding_mask(
     attention_mask: torch.Tensor | None = None,
     **kwargs: Any,
 ) -> torch.Tensor:
-    """transformers' mask hook: a ``[batch, kv_length]`` bool padding mask (a new tensor).
+    """transformers' mask hook: a ``[batch, kv_length]`` guard tensor (`_hf_mask.MaskGuard`)
+    that only the registered attention function reads.
 
     No ``[B, 1, S, S]`` mask is built. The hook refuses models whose attention bypasses the
-    registry (they would add this tensor to their scores), and records the model's
-    ``mask_function`` (and a chunked mask's chunk) with the returned tensor: the attention
+    registry (they would add this tensor to their scores) and packed or padded input that
+    the model's other token mixers would misread, and records the model's ``mask_function``
+    (and a chunked mask's chunk) with the returned tensor: the attention
     function evaluates it once per batch against what it computes.
     """
     config = kwargs.get("config")
@@ -156,8 +166,55 @@ def padding_mask(
         if callable(function)
         else None
     )
+    if config is not None and padding is None and evaluate is not None:
+        _refuse_packed_mixers(config, model, evaluate, batch_size, kv_length, chunk)
+    if config is not None and padding is not None:
+        _refuse_padding_blind_mixers(config, model)
     request = MaskRequest(model, batch_size, kv_length, device, padding, evaluate, chunk)
-    return _hf_mask.record(token, request)
+    if config is not None:
+        request.attention_layers = _hf_models.attention_layers(config)
+        request.mixers = _hf_models.token_mixers_outside_attention(config)
+    return _hf_mask.record(_hf_mask.guard(token, model), request)
+
+
+def _refuse_padding_blind_mixers(config: Any, model: str) -> None:
+    """Refuse a padded batch for a model whose token mixers outside attention read the padded
+    positions: there the model's attention output has values, attn_backends' is 0."""
+    blind = _hf_models.padding_blind_mixers(config)
+    if blind:
+        raise IntegrationError(
+            f"{model} is given a padded batch, but its {', '.join(blind)} mix the padded "
+            "positions into the valid tokens, and there the attention output is the model's "
+            "own (attn_backends leaves padded rows at 0). Pass one sequence per call (no "
+            "padding), or load it with attn_implementation='sdpa' or 'eager'"
+        )
+
+
+def _refuse_packed_mixers(
+    config: Any,
+    model: str,
+    evaluate: _hf_mask.ModelMask,
+    batch: int,
+    length: int,
+    chunk: int | None,
+) -> None:
+    """Refuse packed rows, before any layer runs, for a model with layers that mix tokens
+    outside the attention function: they would run across the sequences' boundaries.
+    transformers marks packed rows (restarting ``position_ids``) in the mask function; a
+    mask that hides some token's left neighbour splits its row."""
+    mixers = _hf_models.token_mixers_outside_attention(config)
+    # a chunked mask (``chunk``) splits rows at chunk starts by itself: not counted
+    if mixers and _hf_mask.splits_rows(evaluate, batch, length, chunk):
+        raise IntegrationError(_packed_mixers_message(model, mixers))
+
+
+def _packed_mixers_message(model: str, mixers: tuple[str, ...]) -> str:
+    return (
+        f"{model} is given packed sequences, but its layers of kind {', '.join(mixers)} mix "
+        "tokens outside the attention function and would run across the sequences' "
+        "boundaries; attn_backends keeps only its attention layers apart. Pass a padded batch "
+        "(each sequence its own row) instead"
+    )
 
 
 def _refuse_unsupported_call(
@@ -204,11 +261,18 @@ def _spec_for(
     scaling: float | None,
     is_causal: bool | None,
     kwargs: Mapping[str, Any],
-    chunk_size: int | None = None,
+    request: MaskRequest | None = None,
+    mask: torch.Tensor | None = None,
 ) -> AttentionSpec:
-    # transformers' own rule for its attention modules (untyped, not all define ``is_causal``):
-    # the call's flag, else the module's, else causal, as its sdpa path reads it.
-    causal = bool(is_causal if is_causal is not None else getattr(module, "is_causal", True))
+    # The call's flag, else the module's (untyped: not all modules define ``is_causal``), else
+    # the model's own mask: transformers' eager and sdpa paths apply the mask they are given
+    # and read the flag only without one (then as causal).
+    declared = is_causal if is_causal is not None else getattr(module, "is_causal", None)
+    if declared is None and request is not None:
+        declared = request.mask_is_causal()
+    elif declared is None and isinstance(mask, torch.Tensor) and mask.dim() == 4:
+        declared = _hf_mask.mask_4d_is_causal(mask, type(module).__name__)
+    causal = bool(declared if declared is not None else True)
     features = _hf_features.hf_features(module, kwargs, causal=causal)
     return AttentionSpec(
         num_heads=int(query.shape[1]),
@@ -218,7 +282,8 @@ def _spec_for(
         causal=causal,
         rope=None,  # the model rotated q and k before calling attention
         softmax_scale=None if scaling is None else float(scaling),
-        chunk_size=chunk_size,  # from the mask this layer was handed (the hook read it)
+        # from the mask this layer was handed (the hook read it)
+        chunk_size=request.chunk_size if request is not None else None,
         **features,  # type: ignore[arg-type]
     )
 
@@ -318,8 +383,19 @@ def _hooked_layout(
         if entry is None or entry[0] is not source:
             entry = (source, _packed_layout(kind, source, batch, seq, kwargs))
             request.layouts[key] = entry  # the source kept alive: its id stays its own
+        if entry[1].segments and request.mixers:
+            # packed by kwargs the hook did not see (a 2-D mask given, or cu_seq_lens without
+            # restarting position_ids): refused at the first attention layer
+            raise IntegrationError(
+                _packed_mixers_message(f"{request.model} ({layer})", request.mixers)
+            )
         if entry[1].segments:
-            mark_served(source)
+            mark_served(
+                source,
+                request=request.serial,
+                newest=_hf_mask.newest_serial(),
+                expected=request.attention_layers,
+            )
         return entry[1]
     entry = request.layouts.get("rows")
     if entry is None:
@@ -380,7 +456,11 @@ def _batch_layout(
     if attention_mask is None:
         return _unhooked_layout(batch, seq, device, kwargs)
     if attention_mask.dim() == 4:
-        if tuple(attention_mask.shape[-2:]) != (seq, seq) or attention_mask.shape[0] != batch:
+        if (
+            attention_mask.shape[-1] != seq
+            or attention_mask.shape[-2] not in (1, seq)
+            or attention_mask.shape[0] != batch
+        ):
             raise IntegrationError(
                 f"{layer}: a 4-D attention mask of shape {tuple(attention_mask.shape)} for a "
                 f"batch of {batch} x {seq} tokens; pass the 2-D [batch, seq] padding mask"
@@ -436,12 +516,12 @@ def attention_forward(
     """transformers' attention hook: ``(out [B, S, Hq, D], None)``.
 
     Padded rows of the output are zeros (the model ignores them, as it ignores any value
-    there). The spec's ``causal`` flag is ``is_causal`` when given, else ``module.is_causal``.
+    there). The spec's ``causal`` flag is ``is_causal`` when given, else ``module.is_causal``, else
+    what the model's own mask says.
     """
     _refuse_unsupported_call(module, query, key, value, dropout, kwargs)
     request = _hf_mask.request_of(attention_mask)
-    chunk = request.chunk_size if request is not None else None
-    spec = _spec_for(module, query, key, scaling, is_causal, kwargs, chunk)
+    spec = _spec_for(module, query, key, scaling, is_causal, kwargs, request, attention_mask)
     batch, _, seq, head_dim = query.shape
     layout = _batch_layout(module, attention_mask, request, batch, seq, query.device, spec, kwargs)
     selection = _selection(spec, query.device, backend, module, request)
