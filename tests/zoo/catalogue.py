@@ -61,9 +61,7 @@ class Entry:
 
 def _task_mappings() -> dict[str, dict[str, Any]]:
     return {
-        name.removeprefix("MODEL_FOR_").removesuffix("_MAPPING_NAMES"): getattr(
-            modeling_auto, name
-        )
+        name.removeprefix("MODEL_FOR_").removesuffix("_MAPPING_NAMES"): getattr(modeling_auto, name)
         for name in dir(modeling_auto)
         if name.startswith("MODEL_FOR_") and name.endswith("_MAPPING_NAMES")
     }

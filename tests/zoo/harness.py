@@ -289,7 +289,8 @@ def run_form(built: Built, form: tuple[Runner, Runner] | str, tol: float) -> For
 
 def run_class(entry: catalogue.Entry, dtype: torch.dtype) -> ClassResult:
     """Every form of one class; the class's outcome is its worst form."""
-    result = ClassResult(entry.class_name, entry.model_type, str(dtype).removeprefix("torch."), "", "")
+    dtype_name = str(dtype).removeprefix("torch.")
+    result = ClassResult(entry.class_name, entry.model_type, dtype_name, "", "")
     try:
         built = build(entry, dtype)
         base = forms(built)["right-padded"]

@@ -25,9 +25,9 @@ import torch
 
 pytest.importorskip("transformers")
 
-import attn_backends as ab  # noqa: E402
-from attn_backends.integrations import transformers as abt  # noqa: E402
-from tests.zoo import catalogue, harness, render_table  # noqa: E402
+import attn_backends as ab
+from attn_backends.integrations import transformers as abt
+from tests.zoo import catalogue, harness, render_table
 
 BF16_SUBSET = (
     "BertModel",
@@ -56,8 +56,8 @@ def _write_results() -> Iterator[None]:
     yield
     target = os.environ.get("ZOO_RESULTS")
     if target:
-        rows = [r.to_json() for (_, dtype), r in sorted(_RESULTS.items()) if dtype == torch.float32]
-        rows += [r.to_json() for (_, dtype), r in sorted(_RESULTS.items()) if dtype != torch.float32]
+        ordered = sorted(_RESULTS.values(), key=lambda r: (r.dtype != "float32", r.class_name))
+        rows = [r.to_json() for r in ordered]
         Path(target).write_text(json.dumps(rows, indent=1, sort_keys=True) + "\n")
 
 
