@@ -29,6 +29,8 @@ OTHER_MODALITY_INPUTS = (
     "audio_values",
     "past_values",
 )
+# Classes whose forward needs a non-text input it declares optional (found by running them).
+NEEDS = {"BrosModel": "bbox (a layout model: a bounding box for every token)"}
 # Auto mappings of text tasks: a model type listed under one of them reads text; one listed
 # only under other tasks (image modelling, speech synthesis, ...) does not.
 TEXT_TASKS = frozenset(
@@ -80,6 +82,8 @@ def _exclusion(model_type: str, cls: Any, config_cls: Any) -> str | None:
     config = config_cls()
     if config.is_encoder_decoder:
         return "encoder-decoder (cross-attention: not a self-attention prefill)"
+    if cls.__name__ in NEEDS:
+        return f"multimodal (its forward needs {NEEDS[cls.__name__]})"
     other = [p for p in params if p in OTHER_MODALITY_INPUTS]
     if other:
         return f"multimodal (its forward also takes {other[0]})"

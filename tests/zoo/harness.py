@@ -160,7 +160,10 @@ def build(entry: catalogue.Entry, dtype: torch.dtype) -> Built:
             warnings.simplefilter("ignore")
             model = _load(entry, tiny.config, "eager")
     except Exception as e:
-        raise NotBuilt(f"the tiny model does not build: {_describe(e)}") from e
+        raise NotBuilt(
+            f"the tiny model does not build: {_describe(e)}{_default_builds(entry)}"
+        ) from e
+
     _randomize(model)
     model = model.to(dtype).eval()
     return Built(
@@ -174,11 +177,26 @@ def build(entry: catalogue.Entry, dtype: torch.dtype) -> Built:
     )
 
 
+def _default_builds(entry: catalogue.Entry) -> str:
+    """Whether the class builds from its untouched default config (on the meta device: no
+    memory): a failure there is transformers' own, not the shrinker's."""
+    try:
+        with warnings.catch_warnings(), torch.device("meta"):
+            warnings.simplefilter("ignore")
+            getattr(transformers, entry.class_name)(getattr(transformers, entry.config_name)())
+    except Exception as e:
+        return f" (its default config fails the same way: {type(e).__name__})"
+    return ""
+
+
 def _output(out: Any) -> torch.Tensor:
-    for name in ("last_hidden_state", "logits", "pooler_output"):
+    for name in ("last_hidden_state", "logits"):
         value = getattr(out, name, None)
         if isinstance(value, torch.Tensor):
             return value.float()
+    hidden_states = getattr(out, "hidden_states", None)
+    if isinstance(hidden_states, (tuple, list)) and hidden_states:
+        return hidden_states[-1].float()  # a pooled-only output (DPR): the last layer's tokens
     first = out[0] if isinstance(out, (tuple, list)) else out
     if not isinstance(first, torch.Tensor):
         raise TypeError(f"the model returned {type(out).__name__} without a hidden state")
@@ -189,6 +207,8 @@ def _forward(built: Built, impl: str, **inputs: Any) -> torch.Tensor:
     kwargs = {k: v for k, v in inputs.items() if "**" in built.accepts or k in built.accepts}
     if "use_cache" in built.accepts or "**" in built.accepts:
         kwargs["use_cache"] = False
+    if "output_hidden_states" in built.accepts:
+        kwargs["output_hidden_states"] = True
     with torch.no_grad():
         return _output(built.under(impl)(**kwargs))
 

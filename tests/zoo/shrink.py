@@ -26,6 +26,14 @@ SOFTCAP = 2.0  # scores of a few units are bent by it
 VOCAB = 128
 POSITIONS = 64
 
+EXPERTS = (
+    "num_experts",
+    "n_routed_experts",
+    "num_local_experts",
+    "moe_num_experts",
+    "num_experts_total",
+)
+
 # attribute name -> small value (applied when the default is a larger int)
 SIZES: dict[str, int] = {
     **dict.fromkeys(
@@ -63,18 +71,19 @@ SIZES: dict[str, int] = {
         ),
         32,
     ),
+    **dict.fromkeys(EXPERTS, 4),
+    **dict.fromkeys(("num_experts_per_tok", "num_experts_per_token", "moe_topk", "top_k"), 2),
     **dict.fromkeys(
         (
-            "num_experts",
-            "n_routed_experts",
-            "num_local_experts",
-            "moe_num_experts",
-            "num_experts_total",
+            "n_group",
+            "num_group",
+            "num_expert_group",
+            "topk_group",
+            "n_shared_experts",
+            "num_shared_experts",
         ),
-        4,
+        1,
     ),
-    **dict.fromkeys(("num_experts_per_tok", "moe_topk", "top_k", "moe_k"), 2),
-    **dict.fromkeys(("n_group", "topk_group", "n_shared_experts", "num_shared_experts"), 1),
     **dict.fromkeys(("vocab_size", "n_vocab"), VOCAB),
     **dict.fromkeys(
         (
@@ -112,10 +121,28 @@ BY_PATTERN: tuple[tuple[re.Pattern[str], int], ...] = tuple(
 SOFTCAPS = ("attn_logit_softcapping", "attn_softcap", "attention_logit_softcapping")
 MAX_LAYERS = 6
 
+
+def _mrope(sections: list[int]) -> dict[str, Any]:
+    rope = {"rope_type": "default", "rope_theta": 1e4, "mrope_section": sections}
+    return {"rope_parameters": rope}
+
+
 # model_type -> extra constructor arguments, where the generic walk alone does not build.
 OVERRIDES: dict[str, dict[str, Any]] = {
     # HRM loops one stack of layers H x (L + 1) times; its depth must equal that product
     "hrm_text": {"num_layers_per_stack": 1, "H_cycles": 1, "L_cycles": 1, "num_hidden_layers": 2},
+    # input, recurrent and output stacks must add up to the depth
+    "dory": {
+        "n_input_layers": 1,
+        "n_recurrent_layers": 1,
+        "n_output_layers": 1,
+        "num_hidden_layers": 3,
+    },
+    # the indexer's top-k must be a multiple of its pooling
+    "glm5_next_text": {"index_kpool": 2, "index_topk": 4},
+    # the modeling code's M-RoPE sections (not in the config) are sized for head_dim 128
+    **{t: _mrope([4, 2, 2]) for t in ("glm4v_text", "glm_image_text", "glm_ocr_text")},
+    "glm4v_moe_text": _mrope([2, 1, 1]),  # partial rotary: half of head_dim 16 rotates
 }
 
 
@@ -197,7 +224,28 @@ def shrink_values(defaults: dict[str, Any]) -> dict[str, Any]:
                 out[name] = shrink_values(value)
         else:
             out[name] = _small(name, value, values)
+    if "head_dim" in values and values["head_dim"] == values.get("qk_rope_head_dim"):
+        out["head_dim"] = out["qk_rope_head_dim"]  # MLA: the rotary width is named twice
+    if out.get("num_experts_per_tok", 0) is None and any(_is_int(out.get(n)) for n in EXPERTS):
+        out["num_experts_per_tok"] = 2
     return out
+
+
+def _derived(values: dict[str, Any]) -> None:
+    """Sizes other sizes must add up to, recomputed after the cut (in place): Mamba heads
+    times their width is the Mamba width; M-RoPE's three sections add up to half the
+    rotated width."""
+    if _is_int(values.get("mamba_n_heads")) and _is_int(values.get("mamba_expand")):
+        width = values["mamba_expand"] * values.get("hidden_size", HIDDEN)
+        values["mamba_n_heads"] = HEADS
+        values["mamba_d_head"] = width // HEADS
+        if values.get("mamba_d_ssm") is not None:
+            values["mamba_d_ssm"] = width
+    rotated = values.get("qk_rope_head_dim") or values.get("head_dim") or HIDDEN // HEADS
+    for table in [values, *(v for v in values.values() if isinstance(v, dict))]:
+        if isinstance(table.get("mrope_section"), list) and len(table["mrope_section"]) == 3:
+            half = int(rotated) // 2
+            table["mrope_section"] = [half - 2 * (half // 4), half // 4, half // 4]
 
 
 def _layer_index(key: object) -> int | None:
@@ -246,6 +294,7 @@ def tiny_config(model_type: str, config_cls: Any) -> Tiny:
     vocab = values.get("vocab_size", VOCAB)
     ids, special = _special_ids(values, vocab if _is_int(vocab) else VOCAB)
     values.update(ids)
+    _derived(values)
     values.update(OVERRIDES.get(model_type, {}))
     values["use_cache"] = False
     for drop in ("transformers_version", "model_type", "architectures", "dtype"):
