@@ -14,11 +14,12 @@ import dataclasses
 import functools
 import inspect
 import re
+from collections.abc import Sequence
 from typing import Any
 
 import transformers
+from transformers import CONFIG_MAPPING
 from transformers.models.auto import modeling_auto
-from transformers.models.auto.configuration_auto import CONFIG_MAPPING_NAMES
 
 # Inputs of other modalities: a class whose forward takes one of them is multimodal.
 OTHER_MODALITY_INPUTS = (
@@ -69,7 +70,7 @@ def _task_mappings() -> dict[str, dict[str, Any]]:
     }
 
 
-def _first(name: str | tuple[str, ...] | list[str]) -> str:
+def _first(name: str | Sequence[str]) -> str:
     return name if isinstance(name, str) else name[0]
 
 
@@ -120,10 +121,11 @@ def entries() -> tuple[Entry, ...]:
     found: dict[str, Entry] = {}
     for model_type, names in modeling_auto.MODEL_MAPPING_NAMES.items():
         class_name = _first(names)
-        config_name = CONFIG_MAPPING_NAMES[model_type]
+        config_name = ""
         try:
+            config_cls = CONFIG_MAPPING[model_type]
+            config_name = config_cls.__name__
             cls = getattr(transformers, class_name)
-            config_cls = getattr(transformers, config_name)
             own_type = cls.config_class.model_type
             excluded = _exclusion(model_type, cls, config_cls)
         except ImportError as e:  # a class whose optional dependency is missing here
@@ -141,6 +143,10 @@ def entries() -> tuple[Entry, ...]:
 
 def _first_line(text: str) -> str:
     return next((line.strip() for line in text.splitlines() if line.strip()), text)
+
+
+def config_class(entry: Entry) -> Any:
+    return CONFIG_MAPPING[entry.model_type]
 
 
 def zoo() -> tuple[Entry, ...]:

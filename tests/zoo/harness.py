@@ -152,7 +152,7 @@ def _batch(tiny: shrink.Tiny, *, left: bool) -> Batch:
 def build(entry: catalogue.Entry, dtype: torch.dtype) -> Built:
     cls = getattr(transformers, entry.class_name)
     try:
-        tiny = shrink.tiny_config(entry.model_type, getattr(transformers, entry.config_name))
+        tiny = shrink.tiny_config(entry.model_type, catalogue.config_class(entry))
     except shrink.Unshrinkable as e:
         raise NotBuilt(str(e)) from e
     try:
@@ -183,7 +183,7 @@ def _default_builds(entry: catalogue.Entry) -> str:
     try:
         with warnings.catch_warnings(), torch.device("meta"):
             warnings.simplefilter("ignore")
-            getattr(transformers, entry.class_name)(getattr(transformers, entry.config_name)())
+            getattr(transformers, entry.class_name)(catalogue.config_class(entry)())
     except Exception as e:
         return f" (its default config fails the same way: {type(e).__name__})"
     return ""
@@ -196,7 +196,8 @@ def _output(out: Any) -> torch.Tensor:
             return value.float()
     hidden_states = getattr(out, "hidden_states", None)
     if isinstance(hidden_states, (tuple, list)) and hidden_states:
-        return hidden_states[-1].float()  # a pooled-only output (DPR): the last layer's tokens
+        last: torch.Tensor = hidden_states[-1]  # a pooled-only output (DPR): the last layer's
+        return last.float()
     first = out[0] if isinstance(out, (tuple, list)) else out
     if not isinstance(first, torch.Tensor):
         raise TypeError(f"the model returned {type(out).__name__} without a hidden state")

@@ -249,8 +249,8 @@ def _derived(values: dict[str, Any]) -> None:
 
 
 def _layer_index(key: object) -> int | None:
-    if _is_int(key):
-        return int(key)  # type: ignore[call-overload]
+    if isinstance(key, int) and not isinstance(key, bool):
+        return key
     return int(key) if isinstance(key, str) and key.isdigit() else None
 
 
