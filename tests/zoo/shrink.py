@@ -72,7 +72,9 @@ SIZES: dict[str, int] = {
         32,
     ),
     **dict.fromkeys(EXPERTS, 4),
-    **dict.fromkeys(("num_experts_per_tok", "num_experts_per_token", "moe_topk", "top_k"), 2),
+    **dict.fromkeys(
+        ("num_experts_per_tok", "num_experts_per_token", "moe_topk", "top_k", "moe_k"), 2
+    ),
     **dict.fromkeys(
         (
             "n_group",
@@ -224,7 +226,7 @@ def shrink_values(defaults: dict[str, Any]) -> dict[str, Any]:
                 out[name] = shrink_values(value)
         else:
             out[name] = _small(name, value, values)
-    if "head_dim" in values and values["head_dim"] == values.get("qk_rope_head_dim"):
+    if _is_int(values.get("head_dim")) and values["head_dim"] == values.get("qk_rope_head_dim"):
         out["head_dim"] = out["qk_rope_head_dim"]  # MLA: the rotary width is named twice
     if out.get("num_experts_per_tok", 0) is None and any(_is_int(out.get(n)) for n in EXPERTS):
         out["num_experts_per_tok"] = 2
