@@ -9,6 +9,7 @@ checked-in table agrees with what a session computed.
 
 from __future__ import annotations
 
+import argparse
 import collections
 import json
 import sys
@@ -104,8 +105,15 @@ def _order(item: tuple[str, tuple[str, str, str]]) -> tuple[bool, str]:
 
 
 def main(argv: list[str]) -> None:
-    results = json.loads(Path(argv[0]).read_text())
-    DOC.write_text(render(results))
+    parser = argparse.ArgumentParser(
+        description="Write docs/hf-zoo.md from the JSON that `ZOO_RESULTS=PATH pytest tests/zoo` "
+        "wrote (run the whole zoo first, or the table lists only the classes that ran)."
+    )
+    parser.add_argument("results", type=Path, help="the JSON file the zoo run wrote")
+    args = parser.parse_args(argv)
+    if not args.results.is_file():
+        parser.error(f"{args.results} does not exist: run the zoo with ZOO_RESULTS={args.results}")
+    DOC.write_text(render(json.loads(args.results.read_text())))
 
 
 if __name__ == "__main__":
