@@ -21,7 +21,6 @@ own eager attention within a small multiple of HF's own sdpa-vs-eager spread (th
 from __future__ import annotations
 
 import inspect
-import math
 import sys
 from collections.abc import Callable
 from typing import Any
@@ -34,6 +33,7 @@ transformers = pytest.importorskip("transformers")
 import attn_backends as ab  # noqa: E402
 from attn_backends.integrations import _hf_mask, _hf_models  # noqa: E402
 from attn_backends.integrations import transformers as abt  # noqa: E402
+from tests import hf_support as hf  # noqa: E402
 
 NAME = abt.register()
 VOCAB = 100
@@ -47,33 +47,14 @@ SMALL = {
 }
 
 
-def _randomize(model: torch.nn.Module, seed: int = 3) -> None:
-    """Weights large enough that attention is far from uniform (a wrong mask shows)."""
-    g = torch.Generator().manual_seed(seed)
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            noise = torch.randn(p.shape, generator=g)
-            if p.dim() >= 2:
-                p.copy_(noise * (1.5 / math.sqrt(p.shape[-1])))
-            elif "norm" in name.lower():
-                p.copy_(1 + 0.1 * noise)
-            else:
-                p.copy_(0.1 * noise)
-
-
-def _model(cfg: Any, impl: str = "eager") -> Any:
-    torch.manual_seed(0)
-    model = transformers.AutoModel.from_config(cfg, attn_implementation=impl)
-    _randomize(model)
-    return model.eval()
-
-
 def _qwen3(**extra: Any) -> Any:
-    return _model(transformers.Qwen3Config(**SMALL, num_key_value_heads=1, head_dim=16, **extra))
+    return hf.from_config(
+        transformers.Qwen3Config(**SMALL, num_key_value_heads=1, head_dim=16, **extra)
+    )
 
 
 def _mistral(window: int) -> Any:
-    return _model(
+    return hf.from_config(
         transformers.MistralConfig(
             **SMALL, num_key_value_heads=1, sliding_window=window, use_cache=False
         )
@@ -81,38 +62,25 @@ def _mistral(window: int) -> Any:
 
 
 def _bert() -> Any:
-    return _model(transformers.BertConfig(**SMALL, max_position_embeddings=64))
-
-
-def _run(model: Any, impl: str, **inputs: Any) -> torch.Tensor:
-    model.set_attn_implementation(impl)
-    with torch.no_grad():
-        hidden: torch.Tensor = model(**inputs).last_hidden_state
-        return hidden
-
-
-def _error(got: torch.Tensor, want: torch.Tensor) -> float:
-    return float((got - want).norm() / want.norm())
+    return hf.from_config(transformers.BertConfig(**SMALL, max_position_embeddings=64))
 
 
 def _tolerance(model: Any, valid: torch.Tensor, **inputs: Any) -> float:
     """HF's own sdpa-vs-eager spread on these inputs, times a small factor, plus a floor."""
-    eager = _run(model, "eager", **inputs)[valid]
-    sdpa = _run(model, "sdpa", **inputs)[valid]
-    return SPREAD_FACTOR * _error(sdpa, eager) + torch.finfo(torch.float32).eps
+    _, spread = hf.eager_and_sdpa_spread(model, valid, **inputs)
+    return hf.spread_tolerance(spread, factor=SPREAD_FACTOR)
 
 
 def _ids(rows: int, cols: int, seed: int = 0) -> torch.Tensor:
-    return torch.randint(3, VOCAB, (rows, cols), generator=torch.Generator().manual_seed(seed))
+    return hf.random_ids(rows, cols, vocab=VOCAB, seed=seed)
 
 
 def _served_matches_eager(model: Any, **inputs: Any) -> None:
-    mask = inputs.get("attention_mask")
-    valid = (
-        mask.bool() if mask is not None else torch.ones(inputs["input_ids"].shape, dtype=torch.bool)
-    )
+    valid = hf.valid_positions(inputs)
     tolerance = _tolerance(model, valid, **inputs)
-    error = _error(_run(model, NAME, **inputs)[valid], _run(model, "eager", **inputs)[valid])
+    error = hf.relative_error(
+        hf.run(model, NAME, **inputs)[valid], hf.run(model, "eager", **inputs)[valid]
+    )
     assert error <= tolerance, (error, tolerance)
 
 
@@ -144,7 +112,7 @@ def test_case1_models_that_bypass_the_registry_are_refused_by_name(class_name):
     """Batch size equal to the padded length: the shape where the 2-D mask once broadcast
     silently into these models' scores; one unpadded sequence (BLOOM, MPT went wrong even
     there); and packed input."""
-    model = _model(BYPASSING[class_name](), impl=NAME)
+    model = hf.from_config(BYPASSING[class_name](), impl=NAME)
     assert type(model).__name__ == class_name
     mask = torch.ones(3, 3, dtype=torch.long)
     mask[1, 2] = 0
@@ -155,7 +123,7 @@ def test_case1_models_that_bypass_the_registry_are_refused_by_name(class_name):
     ]
     for batch in inputs:
         with pytest.raises(ab.IntegrationError, match=rf"{class_name}.*'sdpa' or 'eager'"):
-            _run(model, NAME, **batch)
+            hf.run(model, NAME, **batch)
 
 
 @pytest.mark.parametrize("class_name", list(BYPASSING))
@@ -177,14 +145,14 @@ def test_case1_a_model_that_ignores_packed_boundaries_is_refused_at_unpack():
     """DeBERTa-v2 never calls the registered functions: padded it runs its own attention (the
     same numbers as eager); packed, its sequences attend to each other, so the packed output
     cannot be read back."""
-    model = _model(transformers.DebertaV2Config(**_SMALL_ENC), impl=NAME)
+    model = hf.from_config(transformers.DebertaV2Config(**_SMALL_ENC), impl=NAME)
     mask = torch.ones(2, 6, dtype=torch.long)
     mask[1, 4:] = 0
     ids = _ids(2, 6)
-    own = _run(model, NAME, input_ids=ids, attention_mask=mask)
-    assert torch.equal(own, _run(model, "eager", input_ids=ids, attention_mask=mask))
+    own = hf.run(model, NAME, input_ids=ids, attention_mask=mask)
+    assert torch.equal(own, hf.run(model, "eager", input_ids=ids, attention_mask=mask))
     packed = abt.pack_sequences([[5, 6, 7], [8, 9]])
-    hidden = _run(model, NAME, **packed)
+    hidden = hf.run(model, NAME, **packed)
     with pytest.raises(ab.IntegrationError, match="no attention layer served these cu_seq_lens"):
         abt.unpack_hidden(hidden, packed["cu_seq_lens_q"])
 
@@ -205,7 +173,7 @@ def test_case2_chunked_attention_is_the_models_own(chunk):
         attention_chunk_size=chunk,
         use_cache=False,
     )
-    model = _model(cfg, impl=NAME)
+    model = hf.from_config(cfg, impl=NAME)
     _served_matches_eager(model, input_ids=_ids(2, 9))
     assert chunk in {s.spec.chunk_size for s in abt.decisions()}
 
@@ -263,7 +231,7 @@ def test_case3_padding_hole_under_a_window_is_refused_and_contiguous_padding_ser
     hole = torch.ones(2, 8, dtype=torch.long)
     hole[0, 3] = 0  # one masked token between valid ones
     with pytest.raises(abt.MaskMismatchError, match=r"MistralModel.*between valid ones"):
-        _run(model, NAME, input_ids=ids, attention_mask=hole)
+        hf.run(model, NAME, input_ids=ids, attention_mask=hole)
     for left in (False, True):
         padded = torch.ones(2, 8, dtype=torch.long)
         padded[1, :3] = 0 if left else 1
@@ -289,16 +257,18 @@ def test_case4_4d_mask_rewritten_in_place_is_not_served_the_old_layout():
         pad = torch.ones(3, 9, dtype=torch.bool)
         pad[0, 5:] = False
         four_d = pad[:, None, None, :].expand(-1, 1, 9, -1).clone()
-        first = _run(model, NAME, input_ids=ids, attention_mask=four_d)
+        first = hf.run(model, NAME, input_ids=ids, attention_mask=four_d)
         pad2 = torch.ones(3, 9, dtype=torch.bool)
         pad2[1, 2:] = False
         four_d.copy_(pad2[:, None, None, :].expand(-1, 1, 9, -1))  # same buffer, new batch
-        second = _run(model, NAME, input_ids=ids, attention_mask=four_d)
-        want = _run(model, "eager", input_ids=ids, attention_mask=pad2.long())
-        want_first = _run(model, "eager", input_ids=ids, attention_mask=pad.long())
+        second = hf.run(model, NAME, input_ids=ids, attention_mask=four_d)
+        want = hf.run(model, "eager", input_ids=ids, attention_mask=pad2.long())
+        want_first = hf.run(model, "eager", input_ids=ids, attention_mask=pad.long())
     tolerance = _tolerance(model, pad2, input_ids=ids, attention_mask=pad2.long())
-    assert _error(first[pad], want_first[pad]) <= tolerance
-    assert _error(second[pad2], want[pad2]) <= tolerance, (_error(second[pad2], want[pad2]),)
+    assert hf.relative_error(first[pad], want_first[pad]) <= tolerance
+    assert hf.relative_error(second[pad2], want[pad2]) <= tolerance, (
+        hf.relative_error(second[pad2], want[pad2]),
+    )
 
 
 def test_case4_packed_boundaries_rewritten_in_place_without_the_mask_hook():
@@ -331,11 +301,11 @@ def test_case5_two_pinned_backends_sharing_one_mask_get_their_own_plans():
     pad = torch.ones(3, 9, dtype=torch.bool)
     pad[2, 4:] = False
     four_d = pad[:, None, None, :].expand(-1, 1, 9, -1)  # one mask tensor for both models
-    want = _run(model, "eager", input_ids=ids, attention_mask=pad.long())
+    want = hf.run(model, "eager", input_ids=ids, attention_mask=pad.long())
     tolerance = _tolerance(model, pad, input_ids=ids, attention_mask=pad.long())
     for name in (flex, sdpa, flex):
-        got = _run(model, name, input_ids=ids, attention_mask=four_d)
-        assert _error(got[pad], want[pad]) <= tolerance, name
+        got = hf.run(model, name, input_ids=ids, attention_mask=four_d)
+        assert hf.relative_error(got[pad], want[pad]) <= tolerance, name
     chosen = {s.name for s in abt.decisions() if s.spec.head_dim == 16 and not s.spec.causal}
     assert {"flex", "torch-sdpa"} <= chosen
 
@@ -389,8 +359,8 @@ def test_case7_packed_prefill_with_a_cache_is_refused():
     model = _qwen3()
     packed = abt.pack_sequences([[5, 6, 7, 8], [9, 10, 11]])
     with pytest.raises(abt.MaskMismatchError, match=r"Qwen3Model.*use_cache=True"):
-        _run(model, NAME, **packed, use_cache=True)
-    hidden = _run(model, NAME, **packed, use_cache=False)
+        hf.run(model, NAME, **packed, use_cache=True)
+    hidden = hf.run(model, NAME, **packed, use_cache=False)
     abt.unpack_hidden(hidden, packed["cu_seq_lens_q"])
 
 
@@ -433,7 +403,7 @@ def test_case8_a_backend_disabled_afterwards_is_not_served(monkeypatch):
             return found
 
         monkeypatch.setattr(abt, "_selection", spy)
-        _run(model, NAME, input_ids=ids)
+        hf.run(model, NAME, input_ids=ids)
         monkeypatch.setattr(abt, "_selection", real)
         return seen
 
@@ -462,7 +432,7 @@ def test_the_mask_check_runs_once_per_forward_and_mask_kind(monkeypatch):
         real(*args, **kwargs)
 
     monkeypatch.setattr(_hf_mask, "check_mask", counted)
-    _run(model, NAME, input_ids=_ids(2, 8))
+    hf.run(model, NAME, input_ids=_ids(2, 8))
     assert len(calls) == 1
-    _run(model, NAME, input_ids=_ids(2, 8))
+    hf.run(model, NAME, input_ids=_ids(2, 8))
     assert len(calls) == 2

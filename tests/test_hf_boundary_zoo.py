@@ -24,7 +24,6 @@ attention implementation with the same weights.
 from __future__ import annotations
 
 import copy
-import math
 import warnings
 from typing import Any
 
@@ -37,24 +36,11 @@ from attn_backends import IntegrationError  # noqa: E402
 from attn_backends.integrations import _hf_mask, _hf_models, _packed  # noqa: E402
 from attn_backends.integrations import transformers as abt  # noqa: E402
 from attn_backends.integrations.transformers import MaskMismatchError  # noqa: E402
+from tests import hf_support as hf  # noqa: E402
 
 NAME = abt.register()
 VOCAB = 64
 LENGTHS = (5, 9, 2)
-
-
-def _randomize(model: torch.nn.Module) -> None:
-    """Weights large enough that attention is far from uniform (a wrong mask shows)."""
-    g = torch.Generator().manual_seed(3)
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            noise = torch.randn(p.shape, generator=g)
-            if p.dim() >= 2:
-                p.copy_(noise * (1.5 / math.sqrt(p.shape[-1])))
-            elif "norm" in name.lower():
-                p.copy_(1 + 0.1 * noise)
-            else:
-                p.copy_(0.1 * noise)
 
 
 def _load(cls: Any, config: Any, impl: str) -> Any:
@@ -67,7 +53,7 @@ def _load(cls: Any, config: Any, impl: str) -> Any:
 def _pair(cls: Any, config: Any) -> tuple[Any, Any]:
     """The model under eager attention and under attn_backends, with the same weights."""
     eager = _load(cls, config, "eager")
-    _randomize(eager)
+    hf.randomize(eager)
     served = _load(cls, config, NAME)
     served.load_state_dict(eager.state_dict())
     return eager, served

@@ -14,7 +14,6 @@ random weights, no download; tolerance is HF's own sdpa-vs-eager spread on the s
 
 from __future__ import annotations
 
-import math
 from typing import Any
 
 import pytest
@@ -25,6 +24,7 @@ transformers = pytest.importorskip("transformers")
 import attn_backends as ab  # noqa: E402
 from attn_backends.integrations import _hf_features, _hf_mask  # noqa: E402
 from attn_backends.integrations import transformers as abt  # noqa: E402
+from tests import hf_support as hf  # noqa: E402
 
 NAME = abt.register()
 VOCAB = 100
@@ -47,19 +47,7 @@ def _model(chunk: int = CHUNK) -> Any:
         use_cache=False,
     )
     assert cfg.layer_types == ["chunked_attention"] * 3 + ["full_attention"]
-    torch.manual_seed(0)
-    model = transformers.AutoModel.from_config(cfg, attn_implementation="eager")
-    g = torch.Generator().manual_seed(3)
-    with torch.no_grad():  # weights large enough that a wrong mask shows
-        for name, p in model.named_parameters():
-            noise = torch.randn(p.shape, generator=g)
-            if p.dim() >= 2:
-                p.copy_(noise * (1.5 / math.sqrt(p.shape[-1])))
-            elif "norm" in name.lower():
-                p.copy_(1 + 0.1 * noise)
-            else:
-                p.copy_(0.1 * noise)
-    return model.eval()
+    return hf.from_config(cfg)
 
 
 @pytest.fixture(scope="module")
@@ -67,19 +55,8 @@ def model() -> Any:
     return _model()
 
 
-def _run(model: Any, impl: str, **inputs: Any) -> torch.Tensor:
-    model.set_attn_implementation(impl)
-    with torch.no_grad():
-        hidden: torch.Tensor = model(**inputs).last_hidden_state
-        return hidden
-
-
-def _error(got: torch.Tensor, want: torch.Tensor) -> float:
-    return float((got - want).norm() / want.norm())
-
-
 def _ids(rows: int, cols: int, seed: int = 0) -> torch.Tensor:
-    return torch.randint(3, VOCAB, (rows, cols), generator=torch.Generator().manual_seed(seed))
+    return hf.random_ids(rows, cols, vocab=VOCAB, seed=seed)
 
 
 def _padded(left: bool, right: bool = True) -> dict[str, torch.Tensor]:
@@ -106,20 +83,12 @@ INPUTS = {
 }
 
 
-def _valid(inputs: dict[str, Any]) -> torch.Tensor:
-    mask = inputs.get("attention_mask")
-    if isinstance(mask, torch.Tensor):
-        return mask.bool()
-    return torch.ones(inputs["input_ids"].shape, dtype=torch.bool)
-
-
 def _compare(model: Any, inputs: dict[str, Any]) -> tuple[float, float]:
     """(error of attn_backends against eager, HF's own sdpa-vs-eager spread as tolerance)."""
-    valid = _valid(inputs)
-    eager = _run(model, "eager", **inputs)[valid]
-    sdpa = _run(model, "sdpa", **inputs)[valid]
-    tolerance = SPREAD_FACTOR * _error(sdpa, eager) + torch.finfo(torch.float32).eps
-    return _error(_run(model, NAME, **inputs)[valid], eager), tolerance
+    valid = hf.valid_positions(inputs)
+    eager, spread = hf.eager_and_sdpa_spread(model, valid, **inputs)
+    tolerance = hf.spread_tolerance(spread, factor=SPREAD_FACTOR)
+    return hf.relative_error(hf.run(model, NAME, **inputs)[valid], eager), tolerance
 
 
 @pytest.fixture
@@ -166,7 +135,7 @@ def _chunk_one_larger(monkeypatch: pytest.MonkeyPatch) -> None:
 def test_a_chunk_one_larger_is_refused_by_the_mask_check(model, monkeypatch, kind):
     _chunk_one_larger(monkeypatch)
     with pytest.raises(abt.MaskMismatchError, match=r"Llama4TextModel.*chunks of 5"):
-        _run(model, NAME, **INPUTS[kind]())
+        hf.run(model, NAME, **INPUTS[kind]())
 
 
 @pytest.mark.parametrize("kind", INPUTS)
@@ -183,7 +152,7 @@ def test_a_padding_hole_under_chunks_is_refused_and_named(model):
     inputs = _padded(left=False)
     inputs["attention_mask"][0, 2] = 0  # one masked token between valid ones
     with pytest.raises(abt.MaskMismatchError, match=r"between valid ones.*measures the chunks"):
-        _run(model, NAME, **inputs)
+        hf.run(model, NAME, **inputs)
 
 
 def test_a_chunk_the_spec_cannot_take_is_refused_by_name():

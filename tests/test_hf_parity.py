@@ -13,7 +13,6 @@ from __future__ import annotations
 import dataclasses
 import functools
 import logging
-import math
 import subprocess
 import sys
 from collections.abc import Callable
@@ -27,6 +26,7 @@ transformers = pytest.importorskip("transformers")
 import attn_backends as ab  # noqa: E402
 from attn_backends.integrations import _hf_features, _hf_mask  # noqa: E402
 from attn_backends.integrations import transformers as abt  # noqa: E402
+from tests import hf_support as hf  # noqa: E402
 
 NAME = abt.register()
 FLEX_NAME = abt.register("attn_backends_flex", backend="flex")
@@ -134,20 +134,6 @@ def _class_of(case_id: str) -> str:
     return case_id.split("[")[0]
 
 
-def _randomize(model: torch.nn.Module, seed: int) -> None:
-    """Weights large enough that attention is far from uniform (a wrong scale or mask shows)."""
-    g = torch.Generator().manual_seed(seed)
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            noise = torch.randn(p.shape, generator=g)
-            if p.dim() >= 2:
-                p.copy_(noise * (1.5 / math.sqrt(p.shape[-1])))
-            elif "norm" in name.lower():
-                p.copy_(1 + 0.1 * noise)
-            else:
-                p.copy_(0.1 * noise)
-
-
 @dataclasses.dataclass
 class Batch:
     sequences: list[list[int]]
@@ -176,18 +162,13 @@ def _build(case_id: str, dtype: torch.dtype, *, layers: int | None = None) -> tu
         cfg.num_hidden_layers = layers
         if pattern is not None:
             cfg.layer_types = [pattern[i % len(pattern)] for i in range(layers)]
-    torch.manual_seed(0)
-    model = transformers.AutoModel.from_config(cfg, attn_implementation="eager")
+    model = hf.from_config(cfg, "eager", seed=3)
     assert type(model).__name__ == _class_of(case_id)
-    _randomize(model, seed=3)
     return model.to(dtype).eval(), cfg
 
 
 def _run(model: Any, impl: str, **inputs: object) -> torch.Tensor:
-    model.set_attn_implementation(impl)
-    with torch.no_grad():
-        hidden: torch.Tensor = model(**inputs).last_hidden_state
-        return hidden.float()
+    return hf.run(model, impl, **inputs).float()
 
 
 def _valid(hidden: torch.Tensor, batch: Batch) -> list[torch.Tensor]:
@@ -195,10 +176,8 @@ def _valid(hidden: torch.Tensor, batch: Batch) -> list[torch.Tensor]:
 
 
 def _max_error(got: list[torch.Tensor], want: list[torch.Tensor]) -> float:
-    """Relative error ``||got - want|| / ||want||`` over all valid tokens (norms, not maxima:
-    a bf16 maximum is one rounding step of the largest value and hides a real error)."""
-    g, w = torch.cat(got), torch.cat(want)
-    return float((g - w).norm() / w.norm())
+    """Relative error over all valid tokens of all rows."""
+    return hf.relative_error(torch.cat(got), torch.cat(want))
 
 
 def _packed(model: Any, cfg: Any, batch: Batch) -> list[torch.Tensor]:
@@ -230,8 +209,10 @@ def _case(case_id: str, dtype: torch.dtype) -> Case:
         inputs = {"input_ids": batch.input_ids, "attention_mask": batch.attention_mask}
         eager = _valid(_run(model, "eager", **inputs), batch)
         spread = _sdpa_spread(model, batch)
-        floor = FLOOR_ULPS * torch.finfo(dtype).eps
-        _CASES[key] = Case(model, cfg, batch, eager, SPREAD_FACTOR * spread + floor)
+        tolerance = hf.spread_tolerance(
+            spread, factor=SPREAD_FACTOR, dtype=dtype, floor_ulps=FLOOR_ULPS
+        )
+        _CASES[key] = Case(model, cfg, batch, eager, tolerance)
     return _CASES[key]
 
 
