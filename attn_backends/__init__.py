@@ -6,9 +6,7 @@ selector that explains itself, and backends that arrive as pluggy plugins.
 
 from __future__ import annotations
 
-from ._backend._backend import Binding, PrefillBackend
-from ._backend._capabilities import Capabilities, PriorityRule, check_capabilities
-from ._backend._kernels import KernelModule
+from ._backend._backend import Binding
 from ._backend._protocol import CudaGraphPrefill, NoCachePrefill
 from ._backend._reference import TOLERANCE, reference_attention, relative_error
 from ._model._errors import (
@@ -29,16 +27,6 @@ from ._model._errors import (
     SpecError,
     UnboundBackendError,
 )
-from ._model._feature_table import (
-    AlibiSupport,
-    ChunkSupport,
-    FeatureSupport,
-    Fp8Support,
-    HeadwiseSupport,
-    MlaSupport,
-    SoftcapSupport,
-    WindowSupport,
-)
 from ._model._features import AlibiSpec, HeadwiseConfig, SlidingWindow, bloom_alibi_slopes
 from ._model._params import FMHAParams
 from ._model._platform import Platform, detect_platform, parse_platform
@@ -47,23 +35,14 @@ from ._model._rope_hf import rope_spec_from_hf, rope_spec_from_hf_config
 from ._model._rope_scaling import ROPE_TYPES, RopeScaling
 from ._model._spec import AttentionSpec, RopeSpec
 from ._path._contract import (
-    AnyPlan,
     Fp8Scales,
-    InputLayout,
     PrefillPlan,
     QKVInput,
-    QKVViews,
     split_views,
 )
 from ._path._graph import GraphBucket, GraphPlan
 from ._path._preprocess import clear_preprocess_cache
-from ._path._rope_passes import RopePass, register_rope_pass, rope_passes
-from ._plugins._hooks import (
-    ENTRY_POINT_GROUP,
-    PLUGIN_API_VERSION,
-    PluginManifest,
-    hookimpl,
-)
+from ._path._rope_passes import register_rope_pass, rope_passes
 from ._plugins._isolation import PLUGIN_TIMEOUT_ENV
 from ._plugins._policy import DISABLE_ENV, PLUGINS_ENV
 from ._plugins._registry import (
@@ -98,16 +77,12 @@ __version__ = "0.1.0"
 __all__ = [
     "BACKEND_ENV",
     "DISABLE_ENV",
-    "ENTRY_POINT_GROUP",
     "PLUGINS_ENV",
-    "PLUGIN_API_VERSION",
     "PLUGIN_TIMEOUT_ENV",
     "ROPE_TYPES",
     "STRICT_ENV",
     "TOLERANCE",
     "AlibiSpec",
-    "AlibiSupport",
-    "AnyPlan",
     "AttentionBackendError",
     "AttentionSpec",
     "BackendEntry",
@@ -115,25 +90,17 @@ __all__ = [
     "Binding",
     "CanaryResult",
     "Candidate",
-    "Capabilities",
-    "ChunkSupport",
     "CudaGraphPrefill",
     "FMHAParams",
     "FeatureNotSupportedError",
-    "FeatureSupport",
     "Fp8Scales",
-    "Fp8Support",
     "GraphBucket",
     "GraphModeError",
     "GraphPlan",
     "HeadwiseConfig",
-    "HeadwiseSupport",
-    "InputLayout",
     "IntegrationError",
     "InvalidArgumentError",
     "KVCacheFlagError",
-    "KernelModule",
-    "MlaSupport",
     "NativeBuildError",
     "NoBackendError",
     "NoCachePrefill",
@@ -142,40 +109,31 @@ __all__ = [
     "Platform",
     "PlatformError",
     "PluginLoadError",
-    "PluginManifest",
     "PluginPolicy",
     "PluginRecord",
-    "PrefillBackend",
     "PrefillPlan",
-    "PriorityRule",
     "QKVInput",
-    "QKVViews",
     "RankDecision",
     "RankMismatchError",
     "Reason",
     "ReasonCode",
     "ReentrantRegistryError",
     "Registry",
-    "RopePass",
     "RopeScaling",
     "RopeSpec",
     "SelectRequest",
     "Selection",
     "SlidingWindow",
-    "SoftcapSupport",
     "SpecError",
     "UnboundBackendError",
     "WarmupReport",
     "WarmupStep",
-    "WindowSupport",
     "bloom_alibi_slopes",
-    "check_capabilities",
     "check_consistent_across_ranks",
     "clear_preprocess_cache",
     "clear_selection_cache",
     "detect_platform",
     "get_registry",
-    "hookimpl",
     "parse_platform",
     "reference_attention",
     "register_rope_pass",

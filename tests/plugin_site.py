@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-from attn_backends import ENTRY_POINT_GROUP
+from attn_backends.plugin import ENTRY_POINT_GROUP
 
 
 class PluginSite:

@@ -4,6 +4,7 @@ instead of installing a distribution (see ``tests/plugin_site.py`` for that)."""
 from __future__ import annotations
 
 import attn_backends as ab
+import attn_backends.plugin as abp
 
 
 class StaticPlugin:
@@ -12,6 +13,6 @@ class StaticPlugin:
     def __init__(self, *backends: ab.NoCachePrefill) -> None:
         self.backends = backends
 
-    @ab.hookimpl
-    def attn_backends_register(self, host_api_version: str) -> ab.PluginManifest:
-        return ab.PluginManifest(api_version="1.0", backends=list(self.backends))
+    @abp.hookimpl
+    def attn_backends_register(self, host_api_version: str) -> abp.PluginManifest:
+        return abp.PluginManifest(api_version="1.0", backends=list(self.backends))

@@ -30,6 +30,7 @@ from attn_backends_builtin import _aiter_binding, _aiter_common, _aiter_signatur
 from attn_backends_builtin import aiter as aiter_plugin
 
 import attn_backends as ab
+import attn_backends.plugin as abp
 from attn_backends.testing import NoCachePrefillConformance
 from tests.aiter_signatures import ENTRY_POINTS, NEWEST, OLDEST, RELEASES, Release
 from tests.fakes import fake_aiter
@@ -202,9 +203,9 @@ def test_declared_capabilities():
     }
     assert ck.head_dims == frozenset(range(8, 257, 8)) and ck.fp8
     assert ck.features == (
-        ab.WindowSupport(right=True),
-        ab.SoftcapSupport(),
-        ab.AlibiSupport(bidirectional=True, custom_slopes=True, with_softcap=False),
+        abp.WindowSupport(right=True),
+        abp.SoftcapSupport(),
+        abp.AlibiSupport(bidirectional=True, custom_slopes=True, with_softcap=False),
     ), "CK's order of ALiBi and the soft-cap is not documented: not both on one spec"
     assert asm.features == (), "no ASM kernel has windows, soft-capping or ALiBi"
     for caps in (asm, ck):

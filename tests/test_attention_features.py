@@ -12,6 +12,7 @@ from attn_backends_builtin import flashinfer as flashinfer_plugin
 from attn_backends_builtin.flashinfer import FlashinferBackend
 
 import attn_backends as ab
+import attn_backends.plugin as abp
 from tests.fakes.fake_flashinfer import install
 
 CPU = ab.detect_platform("cpu")
@@ -298,7 +299,7 @@ def test_softcap_is_refused_by_torch_sdpa_with_the_reason():
     assert "logit_softcap" in str(info.value)
 
 
-def _registry_with(*backends: ab.PrefillBackend) -> ab.Registry:
+def _registry_with(*backends: abp.PrefillBackend) -> ab.Registry:
     from tests.static_plugin import StaticPlugin
 
     registry = ab.Registry()
@@ -311,10 +312,10 @@ def test_selector_falls_through_to_a_backend_declaring_the_feature():
 
     class Plain(TorchSdpaBackend):
         name = "plain"
-        capabilities = ab.Capabilities(
+        capabilities = abp.Capabilities(
             platforms=frozenset({"cpu"}),
             dtypes=frozenset({torch.float32}),
-            priority=(ab.PriorityRule("cpu", 500),),
+            priority=(abp.PriorityRule("cpu", 500),),
         )
 
     registry = _registry_with(Plain(), TorchSdpaBackend())

@@ -11,6 +11,7 @@ import torch
 from attn_backends_builtin.torch_sdpa import TorchSdpaBackend
 
 import attn_backends as ab
+import attn_backends.plugin as abp
 from attn_backends._backend import _backend
 from attn_backends._path import _contract, _native, _preprocess, _rope
 from attn_backends._path._contract import PrefillPlan
@@ -43,7 +44,7 @@ class _NoSoftcap(TorchSdpaBackend):
         features=tuple(
             f
             for f in TorchSdpaBackend.capabilities.features
-            if not isinstance(f, ab.SoftcapSupport)
+            if not isinstance(f, abp.SoftcapSupport)
         ),
     )
 
@@ -68,7 +69,7 @@ def test_fp8_with_rope_is_refused_at_bind_by_the_one_check():
         capabilities = replace(
             TorchSdpaBackend.capabilities,
             dtypes=frozenset({torch.float8_e4m3fn}),
-            features=(ab.Fp8Support(),),
+            features=(abp.Fp8Support(),),
         )
 
     spec = ab.AttentionSpec(4, 2, 16, torch.float8_e4m3fn, causal=True, rope=ab.RopeSpec(1e4))
@@ -105,7 +106,7 @@ def test_select_binds_for_the_requested_platform():
     """A dry run for a GPU binds the GPU backend there, and the record is that binding's."""
     selection = ab.select(ROPE, platform="cuda:sm90", backend="torch-sdpa")
     backend = selection.backend
-    assert isinstance(backend, ab.PrefillBackend)
+    assert isinstance(backend, abp.PrefillBackend)
     assert backend.binding.platform == selection.platform
     assert backend.binding.preprocess.mode == "native"  # dry run on CUDA: the native pass
     assert backend.binding.details().items() <= dict(selection.details).items()

@@ -17,6 +17,7 @@ from attn_backends_builtin.flashinfer import FlashinferBackend
 from attn_backends_builtin.trt import TrtBackend
 
 import attn_backends as ab
+import attn_backends.plugin as abp
 from attn_backends._backend import _reference
 from attn_backends._model._feature_table import CHUNK
 from attn_backends._select._selector import _spec_line
@@ -202,7 +203,7 @@ def test_a_chunk_off_by_one_fails_the_generated_cases(monkeypatch, backend, delt
 
 def test_declaring_backends_generate_chunk_cases_alone_and_combined():
     for caps in (flex.FlexBackend.capabilities, torch_sdpa.TorchSdpaBackend.capabilities):
-        assert caps.support(CHUNK) == ab.ChunkSupport()
+        assert caps.support(CHUNK) == abp.ChunkSupport()
         ids = {c.id for c in conformance_cases(caps)}
         assert {
             "float32-causal-chunk-8",
@@ -225,7 +226,7 @@ def test_kernels_without_the_mask_refuse_it_with_the_reason(backend):
         "rocm:gfx942" if backend in (AiterAsmBackend, AiterNonAsmBackend) else "cuda:sm90"
     )
     spec = spec_of(dtype=torch.bfloat16, chunk_size=8)
-    reasons = [r for r in ab.check_capabilities(caps, spec, platform) if r.field == "chunk_size"]
+    reasons = [r for r in abp.check_capabilities(caps, spec, platform) if r.field == "chunk_size"]
     assert [r.code for r in reasons] == [ab.ReasonCode.CHUNKED]
     assert "ChunkSupport()" in reasons[0].message and reasons[0].got == "chunk_size=8"
     refused = {r.id: r.code for r in refusal_cases(caps, CPU)}

@@ -11,6 +11,7 @@ import torch
 from attn_backends_builtin import torch_sdpa
 
 import attn_backends as ab
+import attn_backends.plugin as abp
 from tests.static_plugin import StaticPlugin
 
 SPEC = ab.AttentionSpec(4, 2, 32, torch.float32, causal=True)
@@ -56,10 +57,10 @@ class _Counting(torch_sdpa.TorchSdpaBackend):
     """torch-sdpa that counts ``prepare`` calls across all its bound instances."""
 
     name = "counting"
-    capabilities = ab.Capabilities(
+    capabilities = abp.Capabilities(
         platforms=frozenset({"cpu"}),
         dtypes=frozenset({torch.float32}),
-        priority=(ab.PriorityRule("cpu", 300),),
+        priority=(abp.PriorityRule("cpu", 300),),
     )
     prepared = 0
     lock = threading.Lock()

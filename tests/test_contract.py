@@ -9,6 +9,7 @@ import pytest
 import torch
 
 import attn_backends as ab
+import attn_backends.plugin as abp
 from attn_backends._path._contract import split_views, unpack_packed
 
 SPEC = ab.AttentionSpec(4, 2, 16, torch.float32, causal=True, rope=ab.RopeSpec(1e4))
@@ -146,11 +147,11 @@ def test_fp8_scales_rules():
         be.forward(qkv(), be.prepare(PARAMS), fp8_scales=ab.Fp8Scales(one, one, one))
 
 
-class _DenseBackend(ab.PrefillBackend):
+class _DenseBackend(abp.PrefillBackend):
     """Declares needs_contiguous and records what it was handed."""
 
     name = "dense-probe"
-    capabilities = ab.Capabilities(
+    capabilities = abp.Capabilities(
         platforms=frozenset({"cpu"}), dtypes=frozenset({torch.float32}), needs_contiguous=True
     )
     seen: ClassVar[list[tuple[bool, bool, bool]]] = []

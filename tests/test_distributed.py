@@ -24,6 +24,7 @@ from attn_backends_builtin import torch_sdpa
 from torch.multiprocessing.spawn import start_processes
 
 import attn_backends as ab
+import attn_backends.plugin as abp
 from attn_backends._model import _json
 from attn_backends._plugins._registry import RegistrySnapshot
 from attn_backends._select._distributed import rank_fingerprint
@@ -44,10 +45,10 @@ class _CudaOnly(torch_sdpa.TorchSdpaBackend):
     """A backend ranked on CUDA: a rank that believes it is on sm90 picks it."""
 
     name = "cuda-kernel"
-    capabilities = ab.Capabilities(
+    capabilities = abp.Capabilities(
         platforms=frozenset({"cuda"}),
         dtypes=frozenset({torch.float32}),
-        priority=(ab.PriorityRule("cuda", 50),),
+        priority=(abp.PriorityRule("cuda", 50),),
     )
 
 
@@ -297,7 +298,7 @@ class _GraphTwin(torch_sdpa.TorchSdpaBackend):
     capabilities = replace(
         torch_sdpa.TorchSdpaBackend.capabilities,
         cuda_graph=True,
-        priority=(ab.PriorityRule("cpu", 10),),
+        priority=(abp.PriorityRule("cpu", 10),),
     )
 
 

@@ -16,6 +16,7 @@ import torch
 from attn_backends_builtin import torch_sdpa
 
 import attn_backends as ab
+import attn_backends.plugin as abp
 from attn_backends import cli
 from tests.plugin_site import PluginSite, open_site
 from tests.static_plugin import StaticPlugin
@@ -107,7 +108,7 @@ def test_plugin_that_raises_in_its_hook(
     site: PluginSite, capsys: pytest.CaptureFixture[str]
 ) -> None:
     source = """
-        from attn_backends import hookimpl
+        from attn_backends.plugin import hookimpl
 
         @hookimpl
         def attn_backends_register(host_api_version):
@@ -133,7 +134,7 @@ def test_plugin_hook_returns_the_wrong_type(
     site: PluginSite, capsys: pytest.CaptureFixture[str], returned: str, error: str
 ) -> None:
     source = f"""
-        from attn_backends import PluginManifest, hookimpl
+        from attn_backends.plugin import PluginManifest, hookimpl
         from attn_backends_builtin.torch_sdpa import TorchSdpaBackend
 
         @hookimpl
@@ -148,7 +149,7 @@ def test_plugin_that_takes_a_taken_name(
     site: PluginSite, capsys: pytest.CaptureFixture[str]
 ) -> None:
     source = """
-        from attn_backends import PluginManifest, hookimpl
+        from attn_backends.plugin import PluginManifest, hookimpl
         from attn_backends_builtin.torch_sdpa import TorchSdpaBackend
 
         class Impostor(TorchSdpaBackend):
@@ -182,10 +183,10 @@ def test_a_plugin_name_registered_twice_keeps_the_first() -> None:
 # ---- faults of a backend that registered fine -------------------------------------------------
 
 
-_EAGER = ab.Capabilities(
+_EAGER = abp.Capabilities(
     platforms=frozenset({"cpu"}),
     dtypes=frozenset({torch.float32}),
-    priority=(ab.PriorityRule("cpu", 500, note="claims to beat torch-sdpa"),),
+    priority=(abp.PriorityRule("cpu", 500, note="claims to beat torch-sdpa"),),
 )
 
 
@@ -203,7 +204,7 @@ class _RaisesInForward(torch_sdpa.TorchSdpaBackend):
     name = "raises-in-forward"
     capabilities = _EAGER
 
-    def attend(self, views: ab.QKVViews, plan: ab.PrefillPlan) -> torch.Tensor:
+    def attend(self, views: abp.QKVViews, plan: ab.PrefillPlan) -> torch.Tensor:
         raise ValueError("no kernel image for this device")
 
 
@@ -213,7 +214,7 @@ class _WrongNumbers(torch_sdpa.TorchSdpaBackend):
     name = "wrong-numbers"
     capabilities = _EAGER
 
-    def attend(self, views: ab.QKVViews, plan: ab.PrefillPlan) -> torch.Tensor:
+    def attend(self, views: abp.QKVViews, plan: ab.PrefillPlan) -> torch.Tensor:
         return views.v.repeat_interleave(plan.spec.group_size, dim=1).to(plan.spec.output_dtype)
 
 

@@ -13,6 +13,7 @@ import torch
 from attn_backends_builtin import _masks, flex, torch_sdpa
 
 import attn_backends as ab
+import attn_backends.plugin as abp
 from attn_backends._backend import _reference
 from attn_backends._model import _feature_table, _features
 from attn_backends._select._selector import _spec_line
@@ -26,7 +27,7 @@ def spec_of(causal: bool = True, dtype: torch.dtype = torch.float32, heads: int 
     return ab.AttentionSpec(heads, 2, 32, dtype, causal, **kw)
 
 
-def run(backend: type[ab.PrefillBackend], spec: ab.AttentionSpec, seed: int) -> float:
+def run(backend: type[abp.PrefillBackend], spec: ab.AttentionSpec, seed: int) -> float:
     """Relative error of ``backend`` against the float64 reference on a seeded varlen batch."""
     params = ab.FMHAParams.from_lengths(LENGTHS, device="cpu")
     gen = torch.Generator().manual_seed(seed)
@@ -74,44 +75,44 @@ def test_explain_names_each_feature_used():
 
 
 def test_a_backend_declaring_nothing_refuses_each_feature_with_its_code():
-    caps = ab.Capabilities(platforms=frozenset({"cpu"}), dtypes=frozenset({torch.float32}))
+    caps = abp.Capabilities(platforms=frozenset({"cpu"}), dtypes=frozenset({torch.float32}))
     base = spec_of()
     for feature in _feature_table.FEATURES:
         fields = feature.refusal_fields(base)
         if feature.support is None or fields is None:
             continue
-        reasons = ab.check_capabilities(caps, dataclasses.replace(base, **fields), CPU)
+        reasons = abp.check_capabilities(caps, dataclasses.replace(base, **fields), CPU)
         assert [r.code for r in reasons] == [feature.code], feature.name
 
 
 def test_each_feature_is_checked_whatever_else_the_spec_asks():
     """A right-reaching window was not checked against a left-only declaration when the spec
     also asked for an undeclared soft-cap (the two checks were one if/elif chain)."""
-    caps = ab.Capabilities(
+    caps = abp.Capabilities(
         platforms=frozenset({"cpu"}),
         dtypes=frozenset({torch.float32}),
-        features=(ab.WindowSupport(right=False),),
+        features=(abp.WindowSupport(right=False),),
     )
     spec = spec_of(False, window=ab.SlidingWindow(2, 2), logit_softcap=30.0)
-    codes = [r.code for r in ab.check_capabilities(caps, spec, CPU)]
+    codes = [r.code for r in abp.check_capabilities(caps, spec, CPU)]
     assert codes == [ab.ReasonCode.SLIDING_WINDOW, ab.ReasonCode.SOFTCAP]
 
 
 def test_generated_cases_follow_the_declared_limits():
     """flashinfer-like limits: no right-reaching windows, causal BLOOM ALiBi without the
     soft-cap. Combined cases leave out what the limits refuse; refusals cover each limit."""
-    caps = ab.Capabilities(
+    caps = abp.Capabilities(
         platforms=frozenset({"cpu"}),
         dtypes=frozenset({torch.float32}),
         features=(
-            ab.WindowSupport(right=False),
-            ab.SoftcapSupport(),
-            ab.AlibiSupport(bidirectional=False, custom_slopes=False, with_softcap=False),
+            abp.WindowSupport(right=False),
+            abp.SoftcapSupport(),
+            abp.AlibiSupport(bidirectional=False, custom_slopes=False, with_softcap=False),
         ),
     )
     cases = conformance_cases(caps)
     for case in cases:
-        assert not ab.check_capabilities(caps, case.spec, CPU), case.id
+        assert not abp.check_capabilities(caps, case.spec, CPU), case.id
     ids = {c.id for c in cases}
     assert {"float32-causal-window-softcap", "float32-causal-window-alibi"} <= ids
     assert not any("softcap-alibi" in i or "bidir-alibi" in i for i in ids)

@@ -14,6 +14,7 @@ from attn_backends_builtin.flashinfer import FlashinferBackend, FlashinferRopeBa
 from attn_backends_builtin.trt import TrtBackend
 
 import attn_backends as ab
+import attn_backends.plugin as abp
 
 FA3 = JitModule("fa3", "bfloat16", 128)
 FA2_ROPE = JitModule("fa2", "float16", 64, rope=True)
@@ -46,7 +47,7 @@ def test_a_module_reports_flashinfers_cache_state_cost_and_location(monkeypatch,
     monkeypatch.setattr(jit, "jit_spec", lambda module: _Spec(compiled))
     monkeypatch.setattr(jit, "cache_dir", lambda: "/jit/cached_ops")
     module = jit.kernel_module(FA3)
-    assert module == ab.KernelModule(
+    assert module == abp.KernelModule(
         "flashinfer fa3 bfloat16 d128 posenc=NONE", compiled, 720.0, 95.0, "/jit/cached_ops"
     )
 
@@ -85,4 +86,4 @@ def test_backends_list_the_modules_of_every_per_batch_path(monkeypatch):
 def test_off_cuda_there_is_nothing_to_build():
     spec = ab.AttentionSpec(4, 4, 64, torch.bfloat16, causal=False)
     assert FlashinferBackend().kernel_modules(spec, torch.device("cpu")) == ()
-    assert ab.PrefillBackend.kernel_modules(FlashinferBackend(), spec, torch.device("cpu")) == ()
+    assert abp.PrefillBackend.kernel_modules(FlashinferBackend(), spec, torch.device("cpu")) == ()

@@ -11,6 +11,7 @@ from attn_backends_builtin import flashinfer as flashinfer_plugin
 from attn_backends_builtin.flashinfer import GraphRagged
 
 import attn_backends as ab
+import attn_backends.plugin as abp
 from attn_backends._path._graph import PAD_CHUNK, slot_lengths
 from tests.fakes.fake_flashinfer import FakeFlashinfer, install
 
@@ -162,7 +163,7 @@ def test_backends_without_graph_mode_are_refused_with_a_reason(fake, name):
     codes = {r.code for _, rs in info.value.reasons for r in rs}
     assert ab.ReasonCode.CUDA_GRAPH in codes
     bound = ab.select(spec, backend=name, platform=SM90).backend
-    assert isinstance(bound, ab.PrefillBackend)
+    assert isinstance(bound, abp.PrefillBackend)
     with pytest.raises(ab.GraphModeError, match="does not declare graph mode") as refused:
         bound.prepare_graph(BUCKET, device="cpu")
     assert refused.value.reasons[0][1][0].code is ab.ReasonCode.CUDA_GRAPH

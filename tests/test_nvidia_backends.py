@@ -25,6 +25,7 @@ from attn_backends_builtin.flashinfer import FlashinferBackend, FlashinferRopeBa
 from attn_backends_builtin.trt import TrtBackend, trt_mask_mode
 
 import attn_backends as ab
+import attn_backends.plugin as abp
 from attn_backends.testing import NoCachePrefillConformance
 from tests.fakes import fake_flashinfer
 from tests.fakes.fake_flashinfer import FakeFlashinfer, install
@@ -493,7 +494,7 @@ def test_headwise_is_flex_under_its_former_name():
     assert former.priority == () and dataclasses.replace(former, priority=current.priority) == (
         current
     )
-    assert ab.HeadwiseSupport() in current.features
+    assert abp.HeadwiseSupport() in current.features
 
 
 HW = ab.HeadwiseConfig(frozenset({1, 4, 6}), sink_token_num=3, swa_token_num=5, seqlen_threshold=16)

@@ -29,6 +29,7 @@ import torch
 from attn_backends_builtin import torch_sdpa
 
 import attn_backends as ab
+import attn_backends.plugin as abp
 from attn_backends import cli
 from attn_backends._backend import _validation
 from attn_backends._path import _preprocess, _rope_passes
@@ -184,7 +185,7 @@ def _plugin_source(where: str, statement: str) -> str:
     if where == "import":
         return statement + "\n"
     return (
-        "from attn_backends import hookimpl\n\n"
+        "from attn_backends.plugin import hookimpl\n\n"
         "@hookimpl\n"
         "def attn_backends_register(host_api_version):\n"
         f"    {statement}\n"
@@ -285,10 +286,10 @@ def test_keyboard_interrupt_aborts_loading_and_leaves_the_registry_as_it_was(
 
 # ---- malformed declarations: refused at registration, that backend alone -----------------------
 
-_EAGER = ab.Capabilities(
+_EAGER = abp.Capabilities(
     platforms=frozenset({"cpu"}),
     dtypes=frozenset({torch.float32}),
-    priority=(ab.PriorityRule("cpu", 1000, note="claims to beat torch-sdpa"),),
+    priority=(abp.PriorityRule("cpu", 1000, note="claims to beat torch-sdpa"),),
 )
 
 
@@ -348,7 +349,7 @@ DECLARATION_FAULTS: dict[str, tuple[object, object, str]] = {
     "flag-str": ("vendor", _tampered(_EAGER, gqa="yes"), "capabilities.gqa must be True or False"),
     "feature-flag-str": (
         "vendor",
-        _tampered(_EAGER, features=(_tampered(ab.WindowSupport(), right="yes"),)),
+        _tampered(_EAGER, features=(_tampered(abp.WindowSupport(), right="yes"),)),
         "capabilities.features[window].right must be True or False, got 'yes'",
     ),
     "requires-str": (
@@ -459,7 +460,7 @@ _SWITCH = {"broken": False}
 """Flipped by a test: the vendor backend's capabilities property starts raising."""
 
 
-def _caps_until_broken(self: object) -> ab.Capabilities:
+def _caps_until_broken(self: object) -> abp.Capabilities:
     if _SWITCH["broken"]:
         raise RuntimeError("vendor table unloaded")
     return _EAGER
@@ -510,7 +511,7 @@ def test_a_declaration_that_goes_bad_later_is_a_reason_for_that_backend(
 
 _IMPOSTOR = """
 import torch
-from attn_backends import Capabilities, PluginManifest, PriorityRule, hookimpl
+from attn_backends.plugin import Capabilities, PluginManifest, PriorityRule, hookimpl
 from attn_backends_builtin.torch_sdpa import TorchSdpaBackend
 
 class Impostor(TorchSdpaBackend):  # keeps the name torch-sdpa
@@ -611,7 +612,7 @@ class _BindsOther(torch_sdpa.TorchSdpaBackend):
 
     def bind(
         self, spec: ab.AttentionSpec, platform: ab.Platform | None = None
-    ) -> ab.PrefillBackend:
+    ) -> abp.PrefillBackend:
         return torch_sdpa.TorchSdpaBackend(spec, platform)
 
 
@@ -713,11 +714,11 @@ CAPABILITY_FLAGS = (
     "cuda_graph",
 )
 FEATURE_FLAGS = (
-    (ab.WindowSupport, "right"),
-    (ab.AlibiSupport, "bidirectional"),
-    (ab.AlibiSupport, "custom_slopes"),
-    (ab.AlibiSupport, "with_softcap"),
-    (ab.Fp8Support, "preprocess"),
+    (abp.WindowSupport, "right"),
+    (abp.AlibiSupport, "bidirectional"),
+    (abp.AlibiSupport, "custom_slopes"),
+    (abp.AlibiSupport, "with_softcap"),
+    (abp.Fp8Support, "preprocess"),
 )
 
 
@@ -739,11 +740,11 @@ def test_every_feature_limit_must_be_a_bool(support, flag):
 @pytest.mark.parametrize(
     ("features", "problem"),
     [
-        ([ab.WindowSupport()], "capabilities.features must be a tuple of FeatureSupport values"),
+        ([abp.WindowSupport()], "capabilities.features must be a tuple of FeatureSupport values"),
         (("window",), "capabilities.features[0] must be one of AlibiSupport, "),
-        ((ab.FeatureSupport(),), "capabilities.features[0] must be one of "),
+        ((abp.FeatureSupport(),), "capabilities.features[0] must be one of "),
         (
-            (ab.WindowSupport(), ab.WindowSupport(right=False)),
+            (abp.WindowSupport(), abp.WindowSupport(right=False)),
             "capabilities.features lists WindowSupport twice",
         ),
     ],
@@ -764,12 +765,13 @@ def test_every_priority_rule_flag_must_be_a_bool_or_none(flag):
 
 _ZZ_ROPE = """
 import attn_backends as ab
+import attn_backends.plugin as abp
 
 def _double(packed, spec, params):
     packed.mul_(2.0)  # wrong on purpose: a pass that must never run
     return True
 
-ZZ = ab.RopePass("zz-vendor-rope", (("cpu", 1000),), "vendor", lambda s, p: None, _double)
+ZZ = abp.RopePass("zz-vendor-rope", (("cpu", 1000),), "vendor", lambda s, p: None, _double)
 """
 
 
@@ -795,13 +797,13 @@ def test_a_plugin_that_fails_leaves_no_rope_pass_behind(
         body = f"{_ZZ_ROPE}\n{give}\nraise ImportError('vendor library missing')\n"
     elif how == "register":
         body = (
-            f"{_ZZ_ROPE}\n@ab.hookimpl\ndef attn_backends_register(host_api_version):\n"
+            f"{_ZZ_ROPE}\n@abp.hookimpl\ndef attn_backends_register(host_api_version):\n"
             f"    {give}\n    raise ImportError('vendor library missing')\n"
         )
     else:  # a manifest whose only backend is refused: the plugin fails, its pass must go too
         body = (
-            f"{_ZZ_ROPE}\n@ab.hookimpl\ndef attn_backends_register(host_api_version):\n"
-            "    return ab.PluginManifest('1.0', backends=[object()], rope_passes=[ZZ])\n"
+            f"{_ZZ_ROPE}\n@abp.hookimpl\ndef attn_backends_register(host_api_version):\n"
+            "    return abp.PluginManifest('1.0', backends=[object()], rope_passes=[ZZ])\n"
         )
     site.add_module("zz_vendor", body)
     site.add_dist("vendor-zz", {"zz": "zz_vendor"})
@@ -821,11 +823,11 @@ class _RopePlugin:
         self.passes = passes
         self.backend = backend
 
-    @ab.hookimpl
-    def attn_backends_register(self, host_api_version: str) -> ab.PluginManifest:
+    @abp.hookimpl
+    def attn_backends_register(self, host_api_version: str) -> abp.PluginManifest:
         twin = type("Twin", (torch_sdpa.TorchSdpaBackend,), {"name": self.backend})()
-        passes: list[ab.RopePass] = list(self.passes)  # type: ignore[arg-type]  # malformed on purpose
-        return ab.PluginManifest("1.0", backends=[twin], rope_passes=passes)
+        passes: list[abp.RopePass] = list(self.passes)  # type: ignore[arg-type]  # malformed on purpose
+        return abp.PluginManifest("1.0", backends=[twin], rope_passes=passes)
 
 
 def _never_applied(packed: torch.Tensor, spec: ab.AttentionSpec, params: ab.FMHAParams) -> bool:
@@ -844,7 +846,7 @@ def _answers_int(spec: ab.AttentionSpec, platform: ab.Platform) -> object:
     return 3
 
 
-_GOOD = ab.RopePass("vendor-rope", (("cpu", 1000),), "vendor", _fine, _never_applied)
+_GOOD = abp.RopePass("vendor-rope", (("cpu", 1000),), "vendor", _fine, _never_applied)
 
 MALFORMED_PASSES: dict[str, tuple[object, str]] = {
     "float-rank": (
@@ -964,8 +966,8 @@ def test_the_flashinfer_plugin_brings_its_pass_in_its_manifest() -> None:
 def test_an_interrupted_load_takes_its_rope_passes_back(site: PluginSite) -> None:
     site.add_module(
         "a_vendor",
-        f"{_ZZ_ROPE}\n@ab.hookimpl\ndef attn_backends_register(host_api_version):\n"
-        "    return ab.PluginManifest('1.0', backends=[], rope_passes=[ZZ])\n",
+        f"{_ZZ_ROPE}\n@abp.hookimpl\ndef attn_backends_register(host_api_version):\n"
+        "    return abp.PluginManifest('1.0', backends=[], rope_passes=[ZZ])\n",
     )
     site.add_module("b_vendor", "raise KeyboardInterrupt\n")
     site.add_dist("a-vendor", {"a": "a_vendor"})
@@ -988,9 +990,9 @@ def _guide_block(marker: str) -> str:
 
 
 def test_the_guides_priority_example_is_a_valid_declaration() -> None:
-    names: dict[str, object] = {"PriorityRule": ab.PriorityRule}
+    names: dict[str, object] = {"PriorityRule": abp.PriorityRule}
     exec(_guide_block("PriorityRule("), names)
-    caps = ab.Capabilities(
+    caps = abp.Capabilities(
         platforms=frozenset({"cuda"}),
         dtypes=frozenset({torch.float16}),
         priority=names["priority"],  # type: ignore[arg-type]
@@ -1008,9 +1010,9 @@ def test_the_guides_rope_pass_example_registers_with_its_plugin() -> None:
         {name: getattr(ab, name) for name in ("AttentionSpec", "FMHAParams", "Platform")}
     )
     module.__dict__.update(
-        RopePass=ab.RopePass,
-        PluginManifest=ab.PluginManifest,
-        hookimpl=ab.hookimpl,
+        RopePass=abp.RopePass,
+        PluginManifest=abp.PluginManifest,
+        hookimpl=abp.hookimpl,
         torch=torch,
         MyFmhaBackend=type("MyFmhaBackend", (torch_sdpa.TorchSdpaBackend,), {"name": "my-fmha"}),
     )

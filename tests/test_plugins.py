@@ -16,6 +16,7 @@ import torch
 from attn_backends_builtin import torch_sdpa
 
 import attn_backends as ab
+import attn_backends.plugin as abp
 from attn_backends import testing
 from tests.plugin_site import PluginSite, open_site
 from tests.static_plugin import StaticPlugin
@@ -141,7 +142,7 @@ def test_example_passes_the_conformance_suite(example_site: PluginSite) -> None:
 
 def test_incompatible_major_version_is_refused_naming_both(site: PluginSite) -> None:
     template = """
-        from attn_backends import PluginManifest, hookimpl
+        from attn_backends.plugin import PluginManifest, hookimpl
         from attn_backends_builtin.torch_sdpa import TorchSdpaBackend
 
         class Renamed(TorchSdpaBackend):
@@ -163,7 +164,7 @@ def test_incompatible_major_version_is_refused_naming_both(site: PluginSite) -> 
     assert future.status == "incompatible"
     assert future.error is not None
     assert "2.0" in future.error
-    assert ab.PLUGIN_API_VERSION in future.error
+    assert abp.PLUGIN_API_VERSION in future.error
     assert reg.get("future") is None
     assert _record(reg, "minor").status == "loaded"  # same major version: accepted
     sel = ab.select(SPEC, platform="cpu", registry=reg)
@@ -220,10 +221,10 @@ def test_disable_list_blocks_a_plugin_at_load(
 
 class _SecondChoice(torch_sdpa.TorchSdpaBackend):
     name = "second-choice"
-    capabilities = ab.Capabilities(
+    capabilities = abp.Capabilities(
         platforms=frozenset({"cpu"}),
         dtypes=frozenset({torch.float16, torch.float32}),
-        priority=(ab.PriorityRule("cpu", 10, note="test fallback"),),
+        priority=(abp.PriorityRule("cpu", 10, note="test fallback"),),
     )
 
 
@@ -372,24 +373,24 @@ class _Fp8Sdpa(torch_sdpa.TorchSdpaBackend):
     """torch-sdpa taught FP8 by dequantising the views: enough to exercise an FP8 canary."""
 
     name = "fp8-sdpa"
-    capabilities = ab.Capabilities(
+    capabilities = abp.Capabilities(
         platforms=frozenset({"cpu"}), dtypes=frozenset({torch.float8_e4m3fn})
     )
 
-    def attend(self, views: ab.QKVViews, plan: ab.PrefillPlan) -> torch.Tensor:
+    def attend(self, views: abp.QKVViews, plan: ab.PrefillPlan) -> torch.Tensor:
         scales = views.fp8_scales
         assert scales is not None
         q = views.q.to(torch.float32) * scales.q
         k = views.k.to(torch.float32) * scales.k
         v = views.v.to(torch.float32) * scales.v
-        return super().attend(ab.QKVViews(views.packed, q, k, v, None), plan)
+        return super().attend(abp.QKVViews(views.packed, q, k, v, None), plan)
 
 
 class _RegressedSdpa(torch_sdpa.TorchSdpaBackend):
     """Declares float16 and float32 but its supports() refuses float32: a regression."""
 
     name = "regressed-sdpa"
-    capabilities = ab.Capabilities(
+    capabilities = abp.Capabilities(
         platforms=frozenset({"cpu"}), dtypes=frozenset({torch.float16, torch.float32})
     )
 

@@ -9,6 +9,7 @@ import torch
 from attn_backends_builtin.torch_sdpa import TorchSdpaBackend
 
 import attn_backends as ab
+import attn_backends.plugin as abp
 from attn_backends._path import _contract
 
 ROPE = ab.AttentionSpec(4, 2, 16, torch.float32, causal=True, rope=ab.RopeSpec(1e4, 8))
@@ -233,18 +234,18 @@ def test_the_canary_sees_a_write_outside_the_rotated_columns(backend, spec, matc
 
 def test_fp8_with_rope_is_refused_unless_the_backend_rotates_before_quantising():
     fp8 = ab.AttentionSpec(4, 4, 128, torch.float8_e4m3fn, causal=True, rope=ab.RopeSpec(1e4))
-    caps = ab.Capabilities(platforms=frozenset({"cpu"}), dtypes=frozenset({fp8.dtype}))
-    reasons = ab.check_capabilities(caps, fp8, ab.parse_platform("cpu"))
+    caps = abp.Capabilities(platforms=frozenset({"cpu"}), dtypes=frozenset({fp8.dtype}))
+    reasons = abp.check_capabilities(caps, fp8, ab.parse_platform("cpu"))
     fp8_reasons = [r for r in reasons if r.code is ab.ReasonCode.FP8]
     assert fp8_reasons and "before quantising" in fp8_reasons[0].message
-    declared = ab.Capabilities(
+    declared = abp.Capabilities(
         platforms=frozenset({"cpu"}),
         dtypes=frozenset({fp8.dtype}),
-        features=(ab.Fp8Support(preprocess=True),),
+        features=(abp.Fp8Support(preprocess=True),),
     )
-    assert not ab.check_capabilities(declared, fp8, ab.parse_platform("cpu"))
+    assert not abp.check_capabilities(declared, fp8, ab.parse_platform("cpu"))
     no_rope = ab.AttentionSpec(4, 4, 128, torch.float8_e4m3fn, causal=True)
-    assert not ab.check_capabilities(caps, no_rope, ab.parse_platform("cpu"))
+    assert not abp.check_capabilities(caps, no_rope, ab.parse_platform("cpu"))
 
 
 def test_a_device_named_without_index_is_the_one_tensors_report(monkeypatch):

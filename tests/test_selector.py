@@ -10,6 +10,7 @@ import pytest
 import torch
 
 import attn_backends as ab
+import attn_backends.plugin as abp
 from attn_backends._select import _selector
 from tests.static_plugin import StaticPlugin
 
@@ -17,8 +18,8 @@ SPEC = ab.AttentionSpec(8, 2, 64, torch.bfloat16, causal=True, rope=ab.RopeSpec(
 
 
 def make_backend(name, *, platforms=("cpu",), dtypes=(torch.bfloat16,), priority=(), **caps):
-    class _Backend(ab.PrefillBackend):
-        capabilities = ab.Capabilities(
+    class _Backend(abp.PrefillBackend):
+        capabilities = abp.Capabilities(
             platforms=frozenset(platforms),
             dtypes=frozenset(dtypes),
             priority=tuple(priority),
@@ -42,14 +43,14 @@ def registry():
         StaticPlugin(
             make_backend(
                 "fast",
-                priority=[ab.PriorityRule("cpu", 50, gqa=True, note="measured")],
+                priority=[abp.PriorityRule("cpu", 50, gqa=True, note="measured")],
                 head_dims=frozenset({64}),
             ),
-            make_backend("slow", priority=[ab.PriorityRule("cpu", 10)]),
+            make_backend("slow", priority=[abp.PriorityRule("cpu", 10)]),
             make_backend(
                 "gpu-only",
                 platforms=("cuda",),
-                priority=[ab.PriorityRule("cuda", 90, min_sm=90)],
+                priority=[abp.PriorityRule("cuda", 90, min_sm=90)],
                 min_sm=80,
                 requires=("flashinfer",),
             ),
@@ -197,7 +198,7 @@ def test_select_rejects_non_spec():
 
 def test_fusion_limit_is_per_batch_and_validated():
     rope = ab.AttentionSpec(8, 2, 64, torch.float16, True, rope=ab.RopeSpec(1e4))
-    caps = ab.Capabilities(
+    caps = abp.Capabilities(
         platforms=frozenset({"cuda"}),
         dtypes=frozenset({torch.float16}),
         fused_rope=True,
@@ -215,7 +216,7 @@ def test_fusion_limit_is_per_batch_and_validated():
 
 
 def test_priority_rule_can_match_on_fusable_rope():
-    rule = ab.PriorityRule("cuda", 10, rope_fusable=True)
+    rule = abp.PriorityRule("cuda", 10, rope_fusable=True)
     cuda = ab.Platform(kind="cuda", arch="sm90")
     fusable = ab.AttentionSpec(8, 2, 64, torch.float16, True, rope=ab.RopeSpec(1e4))
     assert rule.matches(fusable, cuda)
@@ -225,8 +226,8 @@ def test_priority_rule_can_match_on_fusable_rope():
 
 
 def test_priority_rule_can_match_on_windows_and_alibi():
-    masked = ab.PriorityRule("cuda", 50, masked=True)
-    plain = ab.PriorityRule("cuda", 50, masked=False)
+    masked = abp.PriorityRule("cuda", 50, masked=True)
+    plain = abp.PriorityRule("cuda", 50, masked=False)
     cuda = ab.Platform(kind="cuda", arch="sm90")
     spec = ab.AttentionSpec(8, 2, 64, torch.float16, False)
     for feature in ({"window": ab.SlidingWindow(4, 4)}, {"alibi": ab.AlibiSpec()}):

@@ -13,6 +13,7 @@ from attn_backends_builtin import flashinfer as flashinfer_plugin
 from attn_backends_builtin.flashinfer import FlashinferRopeBackend
 
 import attn_backends as ab
+import attn_backends.plugin as abp
 from attn_backends._select import _warmup
 from attn_backends.cli import main
 from tests.fakes.fake_flashinfer import FakeFlashinfer, install
@@ -70,8 +71,8 @@ def test_an_unservable_spec_raises_the_selection_error():
 
 def _module(
     name: str, cached: bool | None, cpu: float | None = 100.0, longest: float = 10.0
-) -> ab.KernelModule:
-    return ab.KernelModule(name, cached, cpu, longest, "/cache/jit")
+) -> abp.KernelModule:
+    return abp.KernelModule(name, cached, cpu, longest, "/cache/jit")
 
 
 def test_the_plan_says_where_the_cache_is_and_what_is_left_to_build():

@@ -225,7 +225,7 @@ def _inspect(plugin: object, name: str, early: tuple[RopePass, ...] = ()) -> _In
             "failed",
             problems=(
                 "no attn_backends_register hook implementation found "
-                "(decorate it with attn_backends.hookimpl)",
+                "(decorate it with attn_backends.plugin.hookimpl)",
             ),
         )
     impl = impls[0]

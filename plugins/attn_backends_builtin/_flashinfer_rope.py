@@ -1,4 +1,4 @@
-"""flashinfer's in-place RoPE as a separate RoPE pass (`attn_backends.RopePass`).
+"""flashinfer's in-place RoPE as a separate RoPE pass (`attn_backends.plugin.RopePass`).
 
 Registered by the flashinfer plugin when it loads. It rotates Q and K views of the packed rows
 with ``flashinfer.apply_rope_pos_ids_inplace`` (positions from ``FMHAParams.positions``, already
