@@ -1,0 +1,236 @@
+"""A model loaded with the integration, traceable whole by ``torch.compile(fullgraph=True)``.
+
+The integration's attention function does host work in every layer (it builds the spec, reads
+the layout from ``cu_seq_lens``, selects a backend, prepares a plan, checks the mask), so dynamo
+would break the graph at each attention call and fuse nothing across it. Here that host work
+moves out of the compiled region:
+
+- `compile_ready` runs one example batch through the integration unchanged (its checks
+  refuse what the integration refuses) and learns the attention spec of every layer; layers of
+  one spec share an integer handle;
+- ``CompileReady.batch(cu_seq_lens)`` selects and prepares one plan per handle for the batch,
+  on the host, and holds them in a handle table for the forward run inside it;
+- inside the compiled model each attention call is the custom op ``attn_backends::prefill``
+  (q, k, v as ``[tokens, H, D]`` and the handle, a constant of the graph): dynamo sees only
+  its fake (shape and dtype), and its body runs the prepared plan's backend ``forward``.
+
+The handle is the same for every batch, so a new batch changes the table, not the graph.
+The model is called with ``input_ids`` and restarting ``position_ids`` only; the mask hook
+returns no mask while a batch is prepared (the plans hold the layout).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import itertools
+from collections.abc import Iterator, Mapping, Sequence
+from typing import Any
+
+import torch
+
+from .._model._errors import IntegrationError
+from .._model._params import FMHAParams
+from .._model._spec import AttentionSpec
+from .._select._selector import select
+from . import _hf_mask, _registered
+from ._served import check_served
+from .transformers import _refuse_unsupported_call, _spec_for
+
+__all__ = ["CompileReady", "compile_ready"]
+
+_HANDLE = "_attn_backends_handle"
+"""The attribute holding an attention module's handle: an int that dynamo reads as a
+constant of the graph."""
+
+_table: dict[int, tuple[Any, object]] = {}
+"""handle -> (backend, plan) of the batch being served; filled by `CompileReady.batch`."""
+_next_handle = itertools.count()
+_learning: list[CompileReady] = []
+"""The `CompileReady` whose example batch is running (its specs being learned)."""
+
+
+def _rows(x: torch.Tensor) -> torch.Tensor:
+    """``x [1, H, S, D]`` as ``[S, H, D]`` (a view)."""
+    return x[0].transpose(0, 1)
+
+
+def _dense(x: torch.Tensor) -> torch.Tensor:
+    """Rows whose heads are dense per token, as the backends read them."""
+    if x.stride(-1) != 1 or (x.shape[1] > 1 and x.stride(1) != x.shape[2]):
+        return x.contiguous()
+    return x
+
+
+@torch.library.custom_op("attn_backends::prefill", mutates_args=())
+def prefill(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, handle: int) -> torch.Tensor:
+    """Varlen prefill attention of ``[tokens, H, D]`` rows on the plan prepared for
+    ``handle`` (outside the compiled region, by `CompileReady.batch`)."""
+    found = _table.get(handle)
+    if found is None:
+        raise IntegrationError(
+            f"attention handle {handle} has no prepared plan: call the compiled model inside "
+            "`with ready.batch(cu_seq_lens):` of the CompileReady that prepared it"
+        )
+    backend, plan = found
+    out = backend.forward((_dense(q), _dense(k), _dense(v)), plan)
+    return out  # type: ignore[no-any-return]
+
+
+@prefill.register_fake
+def _prefill_fake(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, handle: int) -> torch.Tensor:
+    return q.new_empty(q.shape)
+
+
+def _attention(inner: Any) -> Any:
+    def attention(
+        module: torch.nn.Module,
+        query: torch.Tensor,
+        key: torch.Tensor,
+        value: torch.Tensor,
+        attention_mask: torch.Tensor | None,
+        dropout: float = 0.0,
+        scaling: float | None = None,
+        is_causal: bool | None = None,
+        **kwargs: Any,
+    ) -> tuple[torch.Tensor, None]:
+        if torch.compiler.is_compiling() or _table:
+            # the module is transformers' (untyped): its handle is our own attribute
+            handle: int = getattr(module, _HANDLE)
+            seq, heads, head_dim = query.shape[2], query.shape[1], query.shape[3]
+            out = prefill(_rows(query), _rows(key), _rows(value), handle)
+            return out.view(1, seq, heads, head_dim), None
+        if _learning:
+            ready = _learning[-1]
+            _refuse_unsupported_call(module, query, key, value, dropout, kwargs)
+            request = _hf_mask.request_of(attention_mask)
+            spec = _spec_for(
+                module, query, key, scaling, is_causal, kwargs, request, attention_mask
+            )
+            setattr(module, _HANDLE, ready._handle_for(spec))
+        return inner(  # type: ignore[no-any-return]
+            module, query, key, value, attention_mask, dropout, scaling, is_causal, **kwargs
+        )
+
+    _registered.mark_ours(attention)
+    return attention
+
+
+def _mask(inner: Any) -> Any:
+    def mask(*args: Any, **kwargs: Any) -> Any:
+        if torch.compiler.is_compiling() or _table:
+            return None  # the prepared plans hold the layout
+        return inner(*args, **kwargs)
+
+    return mask
+
+
+class CompileReady:
+    """A model switched to ``<name>_compiled`` whose attention specs are known; see
+    `compile_ready`."""
+
+    def __init__(self, model: torch.nn.Module, backend: str | None) -> None:
+        self.model = model
+        self.backend = backend
+        self.device = next(model.parameters()).device
+        self.specs: dict[AttentionSpec, int] = {}
+        """Every attention spec of the model and its handle."""
+
+    def _handle_for(self, spec: AttentionSpec) -> int:
+        handle = self.specs.get(spec)
+        if handle is None:
+            handle = self.specs[spec] = next(_next_handle)
+        return handle
+
+    @contextlib.contextmanager
+    def batch(self, cu_seq_lens: torch.Tensor | Sequence[int]) -> Iterator[None]:
+        """Select and prepare one plan per spec for the packed batch ``cu_seq_lens`` (its
+        ``n + 1`` prefix sums); the model (compiled or not) runs it inside this block."""
+        bounds = [
+            int(x)
+            for x in (
+                cu_seq_lens.tolist() if isinstance(cu_seq_lens, torch.Tensor) else cu_seq_lens
+            )
+        ]
+        lengths = [b - a for a, b in itertools.pairwise(bounds)]
+        if len(bounds) < 2 or bounds[0] != 0 or any(n <= 0 for n in lengths):
+            raise IntegrationError(
+                f"CompileReady.batch takes the prefix sums of a packed row, from 0 with no "
+                f"empty sequence; got {bounds[:6]}{'...' if len(bounds) > 6 else ''}"
+            )
+        if _table:
+            raise IntegrationError("CompileReady.batch blocks do not nest")
+        params = FMHAParams.from_lengths(lengths, device=self.device)
+        for spec, handle in self.specs.items():
+            chosen = select(spec, device=self.device, backend=self.backend).backend
+            _table[handle] = (chosen, chosen.prepare(params))
+        try:
+            yield
+        finally:
+            _table.clear()
+
+
+def compile_ready(
+    model: torch.nn.Module,
+    input_ids: torch.Tensor,
+    cu_seq_lens: torch.Tensor,
+    *,
+    position_ids: torch.Tensor | None = None,
+    backend: str | None = None,
+    **forward_kwargs: Any,
+) -> CompileReady:
+    """Make ``model`` (loaded with the integration) traceable by
+    ``torch.compile(model, fullgraph=True)`` on packed input.
+
+    The example batch (``input_ids [1, T]``, its ``cu_seq_lens``, restarting ``position_ids``
+    by default) runs once through the integration, which checks it as for any packed batch,
+    and the attention spec of every layer is learned from it. Then::
+
+        ready = compile_ready(model, ids, cu)
+        compiled = torch.compile(model, fullgraph=True)
+        with ready.batch(cu):
+            hidden = compiled(input_ids=ids, position_ids=positions)[0]
+
+    ``backend`` pins the backend for every spec (else `select` chooses per spec and device).
+    """
+    from transformers import AttentionInterface
+    from transformers.masking_utils import AttentionMaskInterface
+
+    name = _registered.require_ours(model, "compile_ready")
+    ready = CompileReady(model, backend)
+    if not name.endswith("_compiled"):
+        compiled_name = f"{name}_compiled"
+        AttentionInterface.register(
+            compiled_name, _attention(AttentionInterface._global_mapping[name])
+        )
+        AttentionMaskInterface.register(
+            compiled_name, _mask(AttentionMaskInterface._global_mapping[name])
+        )
+        model.set_attn_implementation(compiled_name)  # type: ignore[operator]
+    cu = cu_seq_lens.to(device=ready.device, dtype=torch.int32)
+    if position_ids is None:
+        bounds = cu.tolist()
+        position_ids = torch.cat([torch.arange(b - a) for a, b in itertools.pairwise(bounds)])[None]
+    longest = int((cu[1:] - cu[:-1]).max())
+    kwargs: Mapping[str, Any] = {
+        "input_ids": input_ids.to(ready.device),
+        "position_ids": position_ids.to(ready.device),
+        "cu_seq_lens_q": cu,
+        "cu_seq_lens_k": cu,
+        "max_length_q": longest,
+        "max_length_k": longest,
+        **forward_kwargs,
+    }
+    _learning.append(ready)
+    try:
+        with torch.inference_mode():
+            out = model(**kwargs)
+    finally:
+        _learning.pop()
+    hidden = out[0] if isinstance(out, tuple) else next(iter(out.values()))
+    check_served(hidden, cu)
+    if not ready.specs:
+        raise IntegrationError(
+            f"{type(model).__name__} ran no attention layer through the integration on the "
+            "example batch, so compile_ready learned nothing to prepare"
+        )
+    return ready

@@ -1,0 +1,122 @@
+"""torch.compile(fullgraph=True) over a whole model served by the integration, on CPU.
+
+`compile_ready` learns the model's attention specs from one example batch; each batch's plans
+are prepared on the host by ``ready.batch``; inside the compiled graph every attention call is
+the custom op ``attn_backends::prefill``. The compiled model's output is compared with the
+integration's own packed path on the same weights, for batches of other lengths than the
+example (the graph is not re-traced per layout), and dynamo reports no graph break.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from attn_backends._model._errors import IntegrationError
+from attn_backends.integrations import transformers as abt
+from attn_backends.integrations.compiled import compile_ready, prefill
+
+transformers = pytest.importorskip("transformers")
+dynamo = pytest.importorskip("torch._dynamo")
+
+VOCAB = 97
+
+
+def _model(kind: str):
+    common = {
+        "vocab_size": VOCAB,
+        "hidden_size": 64,
+        "intermediate_size": 128,
+        "num_hidden_layers": 2,
+        "num_attention_heads": 4,
+    }
+    if kind == "bert":
+        config = transformers.BertConfig(**common, max_position_embeddings=128)
+    else:
+        config = transformers.Qwen3Config(
+            **common, num_key_value_heads=2, head_dim=16, use_cache=False
+        )
+    torch.manual_seed(0)
+    return transformers.AutoModel.from_config(config, attn_implementation=abt.register()).eval()
+
+
+def _batch(lengths, seed):
+    generator = torch.Generator().manual_seed(seed)
+    seqs = [[int(x) for x in torch.randint(3, VOCAB, (n,), generator=generator)] for n in lengths]
+    return abt.pack_sequences(seqs)
+
+
+def _extra(kind):
+    return {"use_cache": False} if kind == "qwen3" else {}
+
+
+@torch.inference_mode()
+def _integration(model, packed, kind):
+    return model(**packed, **_extra(kind))[0]
+
+
+@pytest.mark.parametrize("kind", ["bert", "qwen3"])
+def test_compiled_whole_model_matches_the_integration(kind):
+    model = _model(kind)
+    example = _batch((5, 9, 3), seed=1)
+    batches = [example, _batch((7, 2), seed=2), _batch((4, 11, 6, 1), seed=3)]
+    expected = [_integration(model, b, kind) for b in batches]
+    ready = compile_ready(model, example["input_ids"], example["cu_seq_lens_q"])
+    assert len(ready.specs) == 1  # every layer shares one spec, one handle
+    dynamo.reset()
+    compiled = torch.compile(model, backend="eager", fullgraph=True)
+    for packed, want in zip(batches, expected, strict=True):
+        with ready.batch(packed["cu_seq_lens_q"]), torch.inference_mode():
+            got = compiled(
+                input_ids=packed["input_ids"], position_ids=packed["position_ids"], **_extra(kind)
+            )[0]
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+    # outside compile and outside a batch the model is the integration's again
+    torch.testing.assert_close(_integration(model, batches[1], kind), expected[1])
+
+
+@pytest.mark.parametrize("kind", ["bert", "qwen3"])
+def test_no_graph_break_at_attention(kind):
+    model = _model(kind)
+    packed = _batch((6, 3), seed=4)
+    ready = compile_ready(model, packed["input_ids"], packed["cu_seq_lens_q"])
+    dynamo.reset()
+    with ready.batch(packed["cu_seq_lens_q"]), torch.inference_mode():
+        explained = dynamo.explain(model)(
+            input_ids=packed["input_ids"], position_ids=packed["position_ids"], **_extra(kind)
+        )
+    assert explained.graph_break_count == 0, explained.break_reasons
+    assert explained.graph_count == 1
+    ops = [
+        node.target
+        for graph in explained.graphs
+        for node in graph.graph.nodes
+        if node.op == "call_function"
+    ]
+    layers = model.config.num_hidden_layers
+    assert ops.count(torch.ops.attn_backends.prefill.default) == layers
+
+
+def test_the_plain_integration_does_not_trace_whole():
+    """Negative control: without compile_ready the attention function's host work stops
+    dynamo (fullgraph refuses it)."""
+    model = _model("bert")
+    packed = _batch((6, 3), seed=5)
+    dynamo.reset()
+    compiled = torch.compile(model, backend="eager", fullgraph=True)
+    with pytest.raises(dynamo.exc.TorchDynamoException), torch.inference_mode():
+        compiled(**packed)
+
+
+def test_the_op_refuses_a_handle_with_no_prepared_plan():
+    x = torch.zeros(3, 2, 4)
+    with pytest.raises(IntegrationError, match="no prepared plan"):
+        prefill(x, x, x, 10**9)
+
+
+def test_batch_refuses_bad_prefix_sums():
+    model = _model("bert")
+    packed = _batch((4, 2), seed=6)
+    ready = compile_ready(model, packed["input_ids"], packed["cu_seq_lens_q"])
+    with pytest.raises(IntegrationError, match="prefix sums"), ready.batch([0, 3, 3]):
+        pass
