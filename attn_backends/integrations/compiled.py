@@ -42,8 +42,8 @@ _HANDLE = "_attn_backends_handle"
 """The attribute holding an attention module's handle: an int that dynamo reads as a
 constant of the graph."""
 
-_table: dict[int, tuple[Any, object]] = {}
-"""handle -> (backend, plan) of the batch being served; filled by `CompileReady.batch`."""
+_table: dict[int, tuple[Any, object, int]] = {}
+"""handle -> (backend, plan, tokens) of the batch being served; filled by `CompileReady.batch`."""
 _next_handle = itertools.count()
 _learning: list[CompileReady] = []
 """The `CompileReady` whose example batch is running (its specs being learned)."""
@@ -71,7 +71,12 @@ def prefill(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, handle: int) -> t
             f"attention handle {handle} has no prepared plan: call the compiled model inside "
             "`with ready.batch(cu_seq_lens):` of the CompileReady that prepared it"
         )
-    backend, plan = found
+    backend, plan, tokens = found
+    if q.shape[0] != tokens:
+        raise IntegrationError(
+            f"the model attends {q.shape[0]} tokens but ready.batch prepared plans for "
+            f"{tokens}: pass the cu_seq_lens of the batch the model is called with"
+        )
     out = backend.forward((_dense(q), _dense(k), _dense(v)), plan)
     return out  # type: ignore[no-any-return]
 
@@ -162,7 +167,7 @@ class CompileReady:
         params = FMHAParams.from_lengths(lengths, device=self.device)
         for spec, handle in self.specs.items():
             chosen = select(spec, device=self.device, backend=self.backend).backend
-            _table[handle] = (chosen, chosen.prepare(params))
+            _table[handle] = (chosen, chosen.prepare(params), bounds[-1])
         try:
             yield
         finally:
