@@ -134,3 +134,17 @@ def test_a_batch_prepared_for_other_tokens_is_refused():
         torch.inference_mode(),
     ):
         model(input_ids=packed["input_ids"], position_ids=packed["position_ids"])
+
+
+def test_a_layer_the_example_never_reached_is_refused_by_name():
+    model = _model("bert")
+    packed = _batch((4, 2), seed=8)
+    ready = compile_ready(model, packed["input_ids"], packed["cu_seq_lens_q"])
+    layer = model.encoder.layer[1].attention.self
+    delattr(layer, "_attn_backends_handle")  # as if the example batch had skipped this layer
+    with (
+        pytest.raises(IntegrationError, match="never reached this layer"),
+        ready.batch(packed["cu_seq_lens_q"]),
+        torch.inference_mode(),
+    ):
+        model(input_ids=packed["input_ids"], position_ids=packed["position_ids"])

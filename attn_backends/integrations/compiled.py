@@ -100,7 +100,13 @@ def _attention(inner: Any) -> Any:
     ) -> tuple[torch.Tensor, None]:
         if torch.compiler.is_compiling() or _table:
             # the module is transformers' (untyped): its handle is our own attribute
-            handle: int = getattr(module, _HANDLE)
+            handle: int | None = getattr(module, _HANDLE, None)
+            if handle is None:
+                raise IntegrationError(
+                    f"{type(module).__name__} has no prepared attention handle: the example "
+                    "batch given to compile_ready never reached this layer; give compile_ready "
+                    "a batch that runs every attention layer of the model"
+                )
             seq, heads, head_dim = query.shape[2], query.shape[1], query.shape[3]
             out = prefill(_rows(query), _rows(key), _rows(value), handle)
             return out.view(1, seq, heads, head_dim), None
