@@ -334,6 +334,18 @@ def test_case6_unpack_hidden_validates_its_bounds(bounds, tokens):
         abt.unpack_hidden(torch.zeros(1, tokens, 4), cu)
 
 
+def test_case6_one_packed_sequence_unpacks_through_the_model():
+    """One sequence has no boundary to cross: its packed output unpacks, with the model's own
+    numbers, although no attention layer marked its bounds as read."""
+    model = _bert()
+    packed = abt.pack_sequences([[5, 6, 7, 8, 9]])
+    got = hf.run(model, NAME, **packed)
+    (one,) = abt.unpack_hidden(got, packed["cu_seq_lens_q"])
+    want = hf.run(model, "eager", input_ids=packed["input_ids"])
+    assert one.shape == (5, got.shape[-1])
+    assert hf.relative_error(one, want[0]) <= 1e-5
+
+
 def test_case6_pack_and_unpack_refuse_bad_arguments():
     packed = _served_packed([[5, 6, 7], [8, 9]])
     cu = packed["cu_seq_lens_q"]

@@ -23,7 +23,7 @@ import torch
 
 from .._model._errors import IntegrationError
 
-__all__ = ["PackedBatch", "mark_served", "pack_sequences", "unpack_hidden"]
+__all__ = ["PackedBatch", "check_served", "mark_served", "pack_sequences", "unpack_hidden"]
 
 _T = TypeVar("_T")
 
@@ -157,8 +157,9 @@ def unpack_hidden(hidden: torch.Tensor, cu_seq_lens: torch.Tensor) -> list[torch
     """The per-sequence ``[n_i, C]`` slices (views) of a packed output ``hidden [1, T, C]``.
 
     Raises `IntegrationError` when ``cu_seq_lens`` do not cover exactly the ``T`` tokens
-    (0 first, non-decreasing, ``T`` last), or when no attention layer read these boundaries:
-    then the model let the sequences attend to each other.
+    (0 first, non-decreasing, ``T`` last), or when a batch of several sequences had its
+    boundaries read by no attention layer (or by fewer than all of them): then the model let the
+    sequences attend to each other. One sequence has no boundary to cross, so it is not asked.
     """
     if not isinstance(hidden, torch.Tensor) or hidden.dim() != 3 or hidden.shape[0] != 1:
         shape = tuple(hidden.shape) if isinstance(hidden, torch.Tensor) else type(hidden).__name__
@@ -187,6 +188,8 @@ def unpack_hidden(hidden: torch.Tensor, cu_seq_lens: torch.Tensor) -> list[torch
             f"cu_seq_lens {bounds[:6]}{'...' if len(bounds) > 6 else ''} do not split the "
             f"{tokens} packed tokens: they must start at 0, never decrease and end at {tokens}"
         )
+    if len(bounds) == 2:
+        return [hidden[0]]  # one sequence: no boundary that attention could have crossed
     found, served = _served.get(cu_seq_lens)
     if not found:
         raise IntegrationError(
@@ -204,3 +207,11 @@ def unpack_hidden(hidden: torch.Tensor, cu_seq_lens: torch.Tensor) -> list[torch
             "on a padded batch instead"
         )
     return [hidden[0, a:b] for a, b in itertools.pairwise(bounds)]
+
+
+def check_served(hidden: torch.Tensor, cu_seq_lens: torch.Tensor) -> None:
+    """`unpack_hidden`'s checks without the slices, for callers that keep the packed output.
+    A batch of one sequence is decided from the tensor's shape, without reading its values (a
+    device sync): it has no boundary to check."""
+    if cu_seq_lens.numel() > 2:
+        unpack_hidden(hidden, cu_seq_lens)

@@ -25,7 +25,7 @@ from typing import Any
 import torch
 
 from .._model._errors import IntegrationError
-from ._served import check_served
+from ._packed import check_served
 
 __all__ = ["BackbonePacking"]
 

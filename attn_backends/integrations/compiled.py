@@ -33,7 +33,7 @@ from .._model._params import FMHAParams
 from .._model._spec import AttentionSpec
 from .._select._selector import select
 from . import _hf_mask, _registered
-from ._served import check_served
+from ._packed import check_served
 from .transformers import _refuse_unsupported_call, _spec_for
 
 __all__ = ["CompileReady", "compile_ready"]

@@ -53,7 +53,7 @@ from .._model._spec import AttentionSpec
 from .._path._graph import GraphBucket, GraphPlan, slot_lengths
 from .._select._selector import select
 from . import _hf_features, _hf_models, _registered
-from ._served import check_served
+from ._packed import check_served
 from .transformers import _refuse_unsupported_call, _spec_for
 
 __all__ = ["GraphRunner", "RunnerStats"]

@@ -31,8 +31,8 @@ import torch
 
 from .._model._errors import IntegrationError
 from . import _st_flatten
+from ._packed import check_served
 from ._registered import require_ours
-from ._served import check_served
 from ._st_backbone import BackbonePacking
 from .transformers import DEFAULT_NAME, register
 
