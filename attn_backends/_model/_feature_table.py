@@ -206,7 +206,9 @@ class Feature(Generic[S]):
     """The `AttentionSpec` field that carries it."""
 
     def used(self, spec: LayerFields) -> bool:
-        raise NotImplementedError
+        """Whether the spec asks for the feature: its field is set (a feature whose field is
+        never ``None`` says otherwise)."""
+        return getattr(spec, self.field) is not None
 
     # -- the spec -------------------------------------------------------------------------
 
@@ -317,9 +319,6 @@ class WindowFeature(Feature[WindowSupport]):
     title = "sliding-window masks"
     field = "window"
 
-    def used(self, spec: LayerFields) -> bool:
-        return spec.window is not None
-
     def validate(self, spec: LayerFields) -> None:
         window = spec.window
         if window is None:
@@ -426,9 +425,6 @@ class SoftcapFeature(Feature[SoftcapSupport]):
     title = "logit soft-capping"
     field = "logit_softcap"
 
-    def used(self, spec: LayerFields) -> bool:
-        return spec.logit_softcap is not None
-
     def validate(self, spec: LayerFields) -> None:
         if spec.logit_softcap is not None:
             low, high = SOFTCAP_RANGE
@@ -490,9 +486,6 @@ class AlibiFeature(Feature[AlibiSupport]):
     support = AlibiSupport
     title = "ALiBi biases"
     field = "alibi"
-
-    def used(self, spec: LayerFields) -> bool:
-        return spec.alibi is not None
 
     def validate(self, spec: LayerFields) -> None:
         alibi = spec.alibi
@@ -637,9 +630,6 @@ class HeadwiseFeature(Feature[HeadwiseSupport]):
     support = HeadwiseSupport
     title = "per-head (headwise) masks"
     field = "headwise"
-
-    def used(self, spec: LayerFields) -> bool:
-        return spec.headwise is not None
 
     def validate(self, spec: LayerFields) -> None:
         config = spec.headwise
@@ -852,9 +842,6 @@ class ChunkFeature(Feature[ChunkSupport]):
     support = ChunkSupport
     title = "chunked attention"
     field = "chunk_size"
-
-    def used(self, spec: LayerFields) -> bool:
-        return spec.chunk_size is not None
 
     def validate(self, spec: LayerFields) -> None:
         chunk = spec.chunk_size
