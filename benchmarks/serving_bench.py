@@ -416,14 +416,20 @@ def main(argv: list[str] | None = None) -> int:
                 queries = workload.startswith("queries")
                 for result in run_workload(paths, batch, queries, repeats):
                     report.append({"model": name, "workload": workload, **asdict(result)})
-    table = _markdown(report, device)
-    print(table)
-    if args.out is not None:
-        args.out.mkdir(parents=True, exist_ok=True)
-        (args.out / "serving_bench.json").write_text(json.dumps(report, indent=1))
-        (args.out / "serving_bench.md").write_text(table)
+                    print(_markdown(report[-1:], device).splitlines()[-1], flush=True)
+                _write(args.out, report, device)  # each workload: a run cut short keeps these
+    print(_write(args.out, report, device))
     wrong = [r for r in report if r["status"].startswith(("wrong", "failed"))]
     return 1 if wrong else 0
+
+
+def _write(out: Path | None, report: list[dict[str, Any]], device: torch.device) -> str:
+    table = _markdown(report, device)
+    if out is not None:
+        out.mkdir(parents=True, exist_ok=True)
+        (out / "serving_bench.json").write_text(json.dumps(report, indent=1))
+        (out / "serving_bench.md").write_text(table)
+    return table
 
 
 def _markdown(report: list[dict[str, Any]], device: torch.device) -> str:

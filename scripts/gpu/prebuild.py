@@ -60,7 +60,7 @@ from attn_backends_builtin._flashinfer_jit import BUILD_CPU_SECONDS, ROPE_MODULE
 from attn_backends_builtin.flashinfer import FlashinferBackend, FlashinferRopeBackend
 from attn_backends_builtin.trt import TrtBackend
 
-from attn_backends import AttentionSpec, parse_platform
+from attn_backends import AttentionSpec, RopeSpec, parse_platform
 from attn_backends.testing.cases import conformance_cases
 
 SM = 90
@@ -88,6 +88,15 @@ def bench_specs() -> list[AttentionSpec]:
     return specs
 
 
+def model_specs() -> list[AttentionSpec]:
+    """The global layers of the whole models scripts/gpu/e2e_models.py and the serving
+    benchmark run that no benchmark workload covers (their local layers go to flex)."""
+    return [
+        AttentionSpec(12, 12, 64, torch.bfloat16, causal=False, rope=RopeSpec(160_000.0)),
+        AttentionSpec(3, 1, 256, torch.bfloat16, causal=False, rope=RopeSpec(1_000_000.0)),
+    ]
+
+
 def needed_modules() -> dict[JitModule, set[str]]:
     """Every module, with who needs it (``conformance:flashinfer``, ``bench:trt``...)."""
     platform = parse_platform(f"cuda:sm{SM}")
@@ -95,7 +104,7 @@ def needed_modules() -> dict[JitModule, set[str]]:
     bench = bench_specs()
     for backend in backends():
         cases = [c.spec for c in conformance_cases(backend.capabilities)]
-        for use, specs in (("conformance", cases), ("bench", bench)):
+        for use, specs in (("conformance", cases), ("bench", bench), ("models", model_specs())):
             for spec in specs:
                 if backend.supports(spec, platform):
                     continue  # refused: skipped by the suite, not run by the benchmark

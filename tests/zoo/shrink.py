@@ -14,12 +14,15 @@ generic walk does not produce a buildable model. A config that cannot be built r
 from __future__ import annotations
 
 import dataclasses
+import os
 import re
 from typing import Any
 
-HIDDEN = 64
 HEADS = 4
-HEAD_DIM = 16
+HEAD_DIM = int(os.environ.get("ZOO_HEAD_DIM", "16"))
+"""16 on CPU; ``ZOO_HEAD_DIM=64`` on a GPU gives the tiny models a head size the flashinfer
+kernels serve, so the zoo reaches them and not only flex and torch-sdpa."""
+HIDDEN = HEADS * HEAD_DIM
 WINDOW = 4  # below the longest test sequence (11): keys further back are hidden
 CHUNK = 4
 SOFTCAP = 2.0  # scores of a few units are bent by it

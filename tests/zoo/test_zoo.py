@@ -7,6 +7,10 @@ fails the test. A class the shrinker cannot make tiny is skipped with its reason
 as "not built" in the table). The negative controls break the integration on purpose (a window
 one key wider, a dropped chunk, a doubled scale) and the comparison must see it.
 
+On a GPU machine, ``ZOO_DEVICE=cuda ZOO_BF16_ALL=1 ZOO_HEAD_DIM=64 pytest tests/zoo -k
+test_bf16`` runs every class in bf16 on cuda with heads of 64 (the size the flashinfer kernels
+serve), so the backends the selector picks there are the ones proven.
+
 ``ZOO_RESULTS=path`` writes the outcomes as JSON at the end of the session; ``render_table.py``
 turns that file into docs/hf-zoo.md, and `test_checked_in_table_agrees` compares the table with
 the outcomes this session computed.
@@ -72,7 +76,11 @@ def test_fp32(class_name):
     _check(_result(class_name, torch.float32))
 
 
-@pytest.mark.parametrize("class_name", [c for c in BF16_SUBSET if c in ZOO])
+BF16_CLASSES = sorted(ZOO) if os.environ.get("ZOO_BF16_ALL") == "1" else BF16_SUBSET
+"""``ZOO_BF16_ALL=1`` runs every class in bf16 (on a GPU, with ``ZOO_DEVICE=cuda``)."""
+
+
+@pytest.mark.parametrize("class_name", [c for c in BF16_CLASSES if c in ZOO])
 def test_bf16(class_name):
     _check(_result(class_name, torch.bfloat16))
 

@@ -1,0 +1,110 @@
+#!/usr/bin/env bash
+# The H200 verification of the boundary, core and serving work, as one pipeline that fits one
+# 30-minute device budget. Started by `PIPELINE=round scripts/gpu/verify.sh OUT_DIR`, which
+# packs RUN_DIR; writes RUN_DIR/finished when done. Every step is time-boxed, so a budget that
+# runs out leaves the earlier steps' results; the order puts what nothing else can show first.
+#
+# 1. the build of the bf16 flashinfer modules, beside the conformance of the backends that need
+#    no flashinfer JIT (flex, torch-sdpa) and the model zoo in bf16 on cuda with heads of 16
+#    (served by flex and torch-sdpa);
+# 2. the build of the remaining modules (fp16, windows, soft-cap, ALiBi; not FMHA v2), beside
+#    the GPU tests that load only bf16 modules (RoPE kernel, graph runner, graph encoder);
+# 3. the flashinfer-rope and flashinfer conformance runs, beside tests/gpu/test_nvidia_gpu.py;
+# 4. timing, with nothing else running: the serving benchmark, whole models with local layers
+#    (ModernBERT, EmbeddingGemma), attention TFLOP/s, the benchmark's host mode, the other whole
+#    models (XLM-R, Qwen3);
+# 5. the zoo with heads of 64 (served by flashinfer), then trt's conformance (its FMHA v2
+#    modules build on first use) while time remains.
+set -u
+run_dir=${1:?usage: scripts/gpu/round_pipeline.sh RUN_DIR}
+. scripts/gpu/pipeline_start.sh || exit 1
+export PYTHONPATH="$PWD:$PWD/benchmarks:$PWD/plugins:${PYTHONPATH:-}"
+export PYTHONUNBUFFERED=1
+
+zoo() {  # zoo NAME HEAD_DIM TIMEOUT: every class in bf16 on cuda
+    ZOO_DEVICE=cuda ZOO_BF16_ALL=1 ZOO_HEAD_DIM=$2 ZOO_RESULTS="$run_dir/$1.json" \
+        timeout "$3" python3 -m pytest -q -p no:cacheprovider -rfE tests/zoo -k test_bf16 \
+        >"$run_dir/$1.log" 2>&1
+    step "$1 rc=$? $(tail -1 "$run_dir/$1.log")"
+}
+
+step "1. prebuild of the bf16 modules, beside flex/torch-sdpa conformance and the zoo (d16)"
+(
+    RUN_TIMEOUT=200 scripts/gpu/conformance.sh "$run_dir/conformance-torch" flex torch-sdpa \
+        >"$run_dir/conformance-torch.log" 2>&1
+    step "conformance flex torch-sdpa done"
+    zoo zoo-d16 16 200
+) &
+beside=$!
+python3 scripts/gpu/prebuild.py --budget 420 \
+    --only '^fa3 bfloat16 d(64|128|256) posenc=NONE$|^fa2 bfloat16 d(64|128|256) posenc=ROPE_LLAMA$|^rope' \
+    >"$run_dir/prebuild-bf16.log" 2>&1
+step "prebuild bf16 rc=$?"
+tail -12 "$run_dir/prebuild-bf16.log"
+wait "$beside"
+
+gpu_tests() {  # gpu_tests FILE...: one pytest per file, so one file's device assert stays there
+    local file
+    for file in "$@"; do
+        timeout 240 python3 -m pytest -q -p no:cacheprovider -rfE -k "not trt" \
+            -o junit_family=xunit1 --junitxml="$run_dir/gpu-$file.xml" "tests/gpu/$file.py" \
+            >"$run_dir/gpu-$file.log" 2>&1
+        step "gpu $file rc=$? $(tail -1 "$run_dir/gpu-$file.log")"
+    done
+}
+
+step "2. prebuild of the remaining modules (no FMHA v2), beside the bf16-only GPU tests"
+gpu_tests test_rope_kernel test_graph_runner_gpu test_graph_encoder &
+beside=$!
+python3 scripts/gpu/prebuild.py --budget 420 --skip fmha_v2 >"$run_dir/prebuild-rest.log" 2>&1
+step "prebuild rest rc=$?"
+tail -6 "$run_dir/prebuild-rest.log"
+wait "$beside"
+
+step "3. conformance flashinfer-rope flashinfer, beside test_nvidia_gpu"
+gpu_tests test_nvidia_gpu &
+beside=$!
+RUN_TIMEOUT=300 scripts/gpu/conformance.sh "$run_dir/conformance" flashinfer-rope flashinfer
+wait "$beside"
+step "conformance done"
+
+e2e() {  # e2e MODEL...: one process each, so a model cut short loses only itself
+    local model
+    for model in "$@"; do
+        timeout "${E2E_TIMEOUT:-150}" python3 scripts/gpu/e2e_models.py \
+            --out "$run_dir/e2e-$model" --models "$model" --warmup 2 --runs 5 \
+            >"$run_dir/e2e-$model.log" 2>&1
+        step "e2e $model rc=$?"
+        tail -3 "$run_dir/e2e-$model.log"
+    done
+}
+
+step "4a. serving benchmark"
+timeout "${SERVING_TIMEOUT:-330}" python3 benchmarks/serving_bench.py --out "$run_dir/serving" \
+    --models bge-m3,qwen3 --repeats 20 >"$run_dir/serving.log" 2>&1
+step "serving rc=$?"
+tail -24 "$run_dir/serving.log"
+
+step "4b. whole models with local layers"
+e2e modernbert embeddinggemma
+
+step "4c. attention TFLOP/s"
+timeout 150 python3 benchmarks/attention_tflops.py --out "$run_dir/tflops" \
+    >"$run_dir/tflops.log" 2>&1
+step "tflops rc=$?"
+tail -28 "$run_dir/tflops.log"
+
+step "4d. host time per call (benchmark host mode, 11 workloads)"
+timeout 200 python3 -m attn_backends_bench --out "$run_dir/bench-host" --modes host \
+    --time-budget-s 170 >"$run_dir/bench-host.log" 2>&1
+step "bench host rc=$?"
+tail -24 "$run_dir/bench-host.log"
+
+step "4e. the other whole models"
+e2e xlmr qwen3
+
+step "5. zoo with heads of 64, then trt"
+zoo zoo-d64 64 300
+RUN_TIMEOUT=400 scripts/gpu/conformance.sh "$run_dir/conformance-trt" trt
+touch "$run_dir/finished"
+step "finished"

@@ -1,0 +1,50 @@
+"""The TFLOP/s benchmark's dry mode runs its whole grid on CPU and checks every path against
+the float64 reference; its FLOP count and its wrong-result guard are the paper's and real."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import sys
+from pathlib import Path
+
+import torch
+
+SCRIPT = Path(__file__).resolve().parents[1] / "benchmarks" / "attention_tflops.py"
+
+
+def _load():
+    spec = importlib.util.spec_from_file_location("attention_tflops", SCRIPT)
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    sys.modules["attention_tflops"] = module  # dataclasses look their module up by name
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_dry_grid_checks_every_path(tmp_path):
+    bench = _load()
+    assert bench.main(["--dry", "--out", str(tmp_path)]) == 0
+    rows = json.loads((tmp_path / "attention_tflops.json").read_text())["rows"]
+    grid = {(r["seq_len"], r["head_dim"], r["causal"]) for r in rows}
+    assert len(grid) == len(bench.SEQ_LENS) * len(bench.HEAD_DIMS) * 2
+    for r in rows:
+        assert r["path"] == "api" and r["error"] is not None and r["error"] < bench.TOLERANCE
+
+
+def test_flops_follow_the_papers_count():
+    bench = _load()
+    assert bench.flops(8, 2048, 16, 128, causal=False) == 4.0 * 8 * 2048**2 * 16 * 128
+    assert bench.flops(8, 2048, 16, 128, causal=True) == 2.0 * 8 * 2048**2 * 16 * 128
+
+
+def test_a_wrong_output_is_caught():
+    bench = _load()
+    import attn_backends as ab
+
+    spec = ab.AttentionSpec(2, 2, 64, torch.bfloat16, causal=True)
+    qkv = torch.randn(32, 3 * 2 * 64, dtype=torch.bfloat16)
+    want = bench.reference(qkv, spec, 32)
+    assert bench.error(want.to(torch.bfloat16), want) < 1e-2
+    wrong = bench.reference(qkv, ab.AttentionSpec(2, 2, 64, torch.bfloat16, causal=False), 32)
+    assert bench.error(wrong, want) > bench.TOLERANCE
