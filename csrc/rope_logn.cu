@@ -1,5 +1,6 @@
-// One pass over the Q and K columns of the valid rows of a packed QKV buffer: RoPE
-// (rotate-half or interleaved, partial rotary_dim) on Q and K, logn scaling on Q, in place.
+// One pass over the Q and K heads of the valid rows (the columns of a packed QKV buffer, or two
+// separate tensors with their own row strides): RoPE (rotate-half or interleaved, partial
+// rotary_dim) on Q and K, logn scaling on Q, in place.
 //
 // Positions come from cu_seqlens (a binary search per token), so no positions tensor exists.
 // V columns, padding rows and bytes outside the Q|K columns are never read or written.
@@ -141,9 +142,14 @@ __global__ void __launch_bounds__(kMaxThreads)
           ? fmaxf(1.0f, logf(static_cast<float>(pos) + 1.0f) * args.inv_log_logn_base)
           : 1.0f;
 
-  S* row = reinterpret_cast<S*>(args.qkv) + token * args.row_stride;
+  S* const q_row = reinterpret_cast<S*>(args.q) + token * args.q_row_stride;
+  S* const k_row = reinterpret_cast<S*>(args.k) + token * args.k_row_stride;
   const int head_dim = args.head_dim;
   const int num_q = args.num_q_heads;
+  // Head h of the token: Q heads first, then K heads (each in its own rows).
+  auto head_at = [&](int h) -> S* {
+    return h < num_q ? q_row + h * head_dim : k_row + (h - num_q) * head_dim;
+  };
   const int h_begin = group * shape.heads_per_group;
   const int h_end = min(shape.active_heads, h_begin + shape.heads_per_group);
   const int total_slots = shape.rot_slots + shape.tail_slots;
@@ -170,7 +176,7 @@ __global__ void __launch_bounds__(kMaxThreads)
 #pragma unroll
         for (int u = 0; u < UNROLL; ++u) {
           if (h0 + u < h_end) {
-            const S* head = row + (h0 + u) * head_dim;
+            const S* head = head_at(h0 + u);
             load_pack<ALIGNED>(x1[u], head + off1, VEC);
             if constexpr (!INTERLEAVED) load_pack<ALIGNED>(x2[u], head + off2, VEC);
           }
@@ -178,7 +184,7 @@ __global__ void __launch_bounds__(kMaxThreads)
 #pragma unroll
         for (int u = 0; u < UNROLL; ++u) {
           if (h0 + u < h_end) {
-            S* head = row + (h0 + u) * head_dim;
+            S* head = head_at(h0 + u);
             const float scale = (h0 + u < num_q) ? q_scale : 1.0f;
             Pack<S, VEC> y1;
             if constexpr (INTERLEAVED) {
@@ -216,7 +222,7 @@ __global__ void __launch_bounds__(kMaxThreads)
         Pack<S, VEC> x[UNROLL];
 #pragma unroll
         for (int u = 0; u < UNROLL; ++u) {
-          if (h0 + u < q_end) load_pack<ALIGNED>(x[u], row + (h0 + u) * head_dim + off, count);
+          if (h0 + u < q_end) load_pack<ALIGNED>(x[u], q_row + (h0 + u) * head_dim + off, count);
         }
 #pragma unroll
         for (int u = 0; u < UNROLL; ++u) {
@@ -226,7 +232,7 @@ __global__ void __launch_bounds__(kMaxThreads)
             for (int e = 0; e < VEC; ++e) {
               if (ALIGNED || e < count) y.v[e] = Cvt::store(Cvt::load(x[u].v[e]) * q_scale);
             }
-            store_pack<ALIGNED>(row + (h0 + u) * head_dim + off, y, count);
+            store_pack<ALIGNED>(q_row + (h0 + u) * head_dim + off, y, count);
           }
         }
       }
@@ -288,15 +294,17 @@ const char* launch_aligned(const RopeLognArgs& args, cudaStream_t stream) {
   return "unroll must be 0 (default), 1, 2 or 4";
 }
 
-// 16-byte vectors when the base, the row stride and every slot boundary are 16-byte aligned;
+// 16-byte vectors when both bases, both row strides and every slot boundary are 16-byte aligned;
 // element accesses otherwise (any stride, any offset).
 template <typename Cvt>
 const char* launch_dtype(const RopeLognArgs& args, cudaStream_t stream) {
   using S = typename Cvt::Storage;
   constexpr int kVec = 16 / sizeof(S);
   const int half = args.rotary_dim / 2;
-  const bool aligned = reinterpret_cast<uintptr_t>(args.qkv) % 16 == 0 &&
-                       (args.row_stride * static_cast<int64_t>(sizeof(S))) % 16 == 0 &&
+  const bool aligned = reinterpret_cast<uintptr_t>(args.q) % 16 == 0 &&
+                       reinterpret_cast<uintptr_t>(args.k) % 16 == 0 &&
+                       (args.q_row_stride * static_cast<int64_t>(sizeof(S))) % 16 == 0 &&
+                       (args.k_row_stride * static_cast<int64_t>(sizeof(S))) % 16 == 0 &&
                        args.head_dim % kVec == 0 &&
                        (args.interleaved ? args.rotary_dim % kVec : half % kVec) == 0;
   if (args.interleaved) {

@@ -1,4 +1,5 @@
-// In-place RoPE and logn scaling on the packed QKV buffer: the interface between the pure
+// In-place RoPE and logn scaling on the Q and K heads (the columns of a packed QKV buffer, or two
+// separate tensors): the interface between the pure
 // CUDA/HIP kernel (rope_logn.cu) and the torch binding (rope_logn_binding.cpp).
 //
 // This header names no CUDA or HIP type, so both files include it unchanged on either platform.
@@ -14,8 +15,11 @@ constexpr int kMaxRotaryHalf = 256;
 enum class ScalarKind : int32_t { kFloat32 = 0, kFloat16 = 1, kBFloat16 = 2 };
 
 struct RopeLognArgs {
-  void* qkv;                  // row 0 of the packed [rows, (Hq + 2*Hkv) * D] buffer
-  int64_t row_stride;         // elements between rows (>= the row width); the last dim is dense
+  void* q;                    // row 0 of the Q heads: [rows, Hq * D], heads dense in a row
+  int64_t q_row_stride;       // elements between Q rows; the last dim is dense
+  void* k;                    // row 0 of the K heads: [rows, Hkv * D] (in a packed buffer, the
+                              // columns after Q of the same rows)
+  int64_t k_row_stride;       // elements between K rows
   int64_t tokens;             // valid rows; rows past this are padding and never touched
   const int32_t* cu_seqlens;  // [batch + 1] prefix sums on the device; rows at or past
                               // min(tokens, cu_seqlens[batch]) are never touched

@@ -1,5 +1,6 @@
-// Torch operator `attn_backends_native::rope_logn_`: checks the tensors, fills the launch
-// arguments and runs the kernel of rope_logn.cu on the current stream.
+// Torch operators `attn_backends_native::rope_logn_` (the packed QKV buffer) and `rope_logn_qk_`
+// (separate Q and K tensors): check the tensors, fill the launch arguments and run the kernel of
+// rope_logn.cu on the current stream.
 //
 // Registered with TORCH_LIBRARY (no Python module): the schema marks `qkv` as mutated, and a
 // no-op Meta kernel lets tracing (torch.compile, fake tensors) pass through it.
@@ -34,28 +35,15 @@ ScalarKind scalar_kind(const at::Tensor& t) {
   return ScalarKind::kFloat32;  // not reached: TORCH_CHECK(false, ...) throws
 }
 
-void rope_logn_cuda(at::Tensor& qkv, const at::Tensor& cu_seqlens, int64_t tokens,
+// Checks of what both operators share (scalars, cu_seqlens), then the launch on q's device.
+void launch_checked(const at::Tensor& q, int64_t q_row_stride, void* k_ptr, int64_t k_row_stride,
+                    int64_t rows, const at::Tensor& cu_seqlens, int64_t tokens,
                     int64_t num_q_heads, int64_t num_kv_heads, int64_t head_dim,
                     int64_t rotary_dim, bool interleaved, double theta, double logn_base,
                     int64_t unroll, int64_t target_threads_per_sm) {
-  TORCH_CHECK(qkv.is_cuda(), "rope_logn_: qkv must be on a CUDA/ROCm device");
-  TORCH_CHECK(qkv.dim() == 2, "rope_logn_: qkv must be 2-D [rows, (Hq + 2*Hkv) * D], got ",
-              qkv.dim(), "-D");
-  TORCH_CHECK(num_q_heads > 0 && num_kv_heads > 0 && head_dim > 0,
-              "rope_logn_: head counts and head_dim must be positive");
-  TORCH_CHECK(num_q_heads + 2 * num_kv_heads <= INT32_MAX / head_dim,
-              "rope_logn_: row width does not fit in 32 bits");
-  const int64_t width = (num_q_heads + 2 * num_kv_heads) * head_dim;
-  TORCH_CHECK(qkv.size(1) == width, "rope_logn_: qkv has ", qkv.size(1),
-              " columns, the heads need (Hq + 2*Hkv) * D = ", width);
-  TORCH_CHECK(qkv.size(1) <= 1 || qkv.stride(1) == 1,
-              "rope_logn_: qkv columns must be dense (stride 1); rows may be strided");
-  TORCH_CHECK(qkv.size(0) <= 1 || qkv.stride(0) >= width,
-              "rope_logn_: qkv rows overlap (row stride ", qkv.stride(0), " < width ", width,
-              ")");
-  TORCH_CHECK(tokens >= 0 && tokens <= qkv.size(0), "rope_logn_: tokens (", tokens,
-              ") must be in [0, rows = ", qkv.size(0), "]");
-  TORCH_CHECK(cu_seqlens.device() == qkv.device(),
+  TORCH_CHECK(tokens >= 0 && tokens <= rows, "rope_logn_: tokens (", tokens,
+              ") must be in [0, rows = ", rows, "]");
+  TORCH_CHECK(cu_seqlens.device() == q.device(),
               "rope_logn_: cu_seqlens must be on the device of qkv");
   TORCH_CHECK(cu_seqlens.scalar_type() == at::kInt && cu_seqlens.dim() == 1 &&
                   cu_seqlens.is_contiguous() && cu_seqlens.numel() >= 2,
@@ -75,10 +63,12 @@ void rope_logn_cuda(at::Tensor& qkv, const at::Tensor& cu_seqlens, int64_t token
               "rope_logn_: target_threads_per_sm must be in [0, 2^20]");
   if (tokens == 0 || (rotary_dim == 0 && logn_base == 0.0)) return;
 
-  const c10::cuda::CUDAGuard guard(qkv.device());
+  const c10::cuda::CUDAGuard guard(q.device());
   RopeLognArgs args{};
-  args.qkv = qkv.data_ptr();
-  args.row_stride = qkv.size(0) > 1 ? qkv.stride(0) : width;
+  args.q = q.data_ptr();
+  args.q_row_stride = q_row_stride;
+  args.k = k_ptr;
+  args.k_row_stride = k_row_stride;
   args.tokens = tokens;
   args.cu_seqlens = cu_seqlens.data_ptr<int32_t>();
   args.batch = static_cast<int32_t>(cu_seqlens.numel() - 1);
@@ -92,7 +82,7 @@ void rope_logn_cuda(at::Tensor& qkv, const at::Tensor& cu_seqlens, int64_t token
   args.interleaved = interleaved;
   args.use_logn = logn_base != 0.0;
   args.inv_log_logn_base = args.use_logn ? static_cast<float>(1.0 / std::log(logn_base)) : 0.0f;
-  args.dtype = scalar_kind(qkv);
+  args.dtype = scalar_kind(q);
   // Same formula as the torch path (_rope.py): theta ** -(i * 2 / rotary_dim), in double.
   for (int64_t i = 0; i < rotary_dim / 2; ++i) {
     args.inv_freq[i] = std::pow(theta, -(static_cast<double>(i) * 2.0 / rotary_dim));
@@ -102,8 +92,62 @@ void rope_logn_cuda(at::Tensor& qkv, const at::Tensor& cu_seqlens, int64_t token
   TORCH_CHECK(error == nullptr, "rope_logn_: kernel launch failed: ", error);
 }
 
+void check_heads(int64_t num_q_heads, int64_t num_kv_heads, int64_t head_dim) {
+  TORCH_CHECK(num_q_heads > 0 && num_kv_heads > 0 && head_dim > 0,
+              "rope_logn_: head counts and head_dim must be positive");
+  TORCH_CHECK(num_q_heads + 2 * num_kv_heads <= INT32_MAX / head_dim,
+              "rope_logn_: row width does not fit in 32 bits");
+}
+
+// A 2-D [rows, width] operand: dense columns, rows that do not overlap.
+void check_rows(const at::Tensor& t, const char* name, int64_t width) {
+  TORCH_CHECK(t.is_cuda(), "rope_logn_: ", name, " must be on a CUDA/ROCm device");
+  TORCH_CHECK(t.dim() == 2, "rope_logn_: ", name, " must be 2-D [rows, heads * D], got ",
+              t.dim(), "-D");
+  TORCH_CHECK(t.size(1) == width, "rope_logn_: ", name, " has ", t.size(1),
+              " columns, the heads need ", width);
+  TORCH_CHECK(t.size(1) <= 1 || t.stride(1) == 1, "rope_logn_: ", name,
+              " columns must be dense (stride 1); rows may be strided");
+  TORCH_CHECK(t.size(0) <= 1 || t.stride(0) >= width, "rope_logn_: ", name,
+              " rows overlap (row stride ", t.stride(0), " < width ", width, ")");
+}
+
+void rope_logn_cuda(at::Tensor& qkv, const at::Tensor& cu_seqlens, int64_t tokens,
+                    int64_t num_q_heads, int64_t num_kv_heads, int64_t head_dim,
+                    int64_t rotary_dim, bool interleaved, double theta, double logn_base,
+                    int64_t unroll, int64_t target_threads_per_sm) {
+  check_heads(num_q_heads, num_kv_heads, head_dim);
+  check_rows(qkv, "qkv", (num_q_heads + 2 * num_kv_heads) * head_dim);
+  const int64_t stride = qkv.size(0) > 1 ? qkv.stride(0) : qkv.size(1);
+  // K heads are the columns after the Q heads, in the same rows.
+  void* k = static_cast<char*>(qkv.data_ptr()) + num_q_heads * head_dim * qkv.element_size();
+  launch_checked(qkv, stride, k, stride, qkv.size(0), cu_seqlens, tokens, num_q_heads,
+                 num_kv_heads, head_dim, rotary_dim, interleaved, theta, logn_base, unroll,
+                 target_threads_per_sm);
+}
+
+void rope_logn_qk_cuda(at::Tensor& q, at::Tensor& k, const at::Tensor& cu_seqlens,
+                       int64_t tokens, int64_t num_q_heads, int64_t num_kv_heads,
+                       int64_t head_dim, int64_t rotary_dim, bool interleaved, double theta,
+                       double logn_base, int64_t unroll, int64_t target_threads_per_sm) {
+  check_heads(num_q_heads, num_kv_heads, head_dim);
+  check_rows(q, "q", num_q_heads * head_dim);
+  check_rows(k, "k", num_kv_heads * head_dim);
+  TORCH_CHECK(k.device() == q.device(), "rope_logn_: q and k must be on one device");
+  TORCH_CHECK(k.scalar_type() == q.scalar_type(), "rope_logn_: q and k must share a dtype");
+  TORCH_CHECK(k.size(0) == q.size(0), "rope_logn_: q has ", q.size(0), " rows, k ", k.size(0));
+  const int64_t q_stride = q.size(0) > 1 ? q.stride(0) : q.size(1);
+  const int64_t k_stride = k.size(0) > 1 ? k.stride(0) : k.size(1);
+  launch_checked(q, q_stride, k.data_ptr(), k_stride, q.size(0), cu_seqlens, tokens,
+                 num_q_heads, num_kv_heads, head_dim, rotary_dim, interleaved, theta, logn_base,
+                 unroll, target_threads_per_sm);
+}
+
 void rope_logn_meta(at::Tensor&, const at::Tensor&, int64_t, int64_t, int64_t, int64_t, int64_t,
                     bool, double, double, int64_t, int64_t) {}
+
+void rope_logn_qk_meta(at::Tensor&, at::Tensor&, const at::Tensor&, int64_t, int64_t, int64_t,
+                       int64_t, int64_t, bool, double, double, int64_t, int64_t) {}
 
 }  // namespace
 }  // namespace attn_backends
@@ -113,12 +157,18 @@ TORCH_LIBRARY(attn_backends_native, m) {
       "rope_logn_(Tensor(a!) qkv, Tensor cu_seqlens, int tokens, int num_q_heads, "
       "int num_kv_heads, int head_dim, int rotary_dim, bool interleaved, float theta, "
       "float logn_base, int unroll=0, int target_threads_per_sm=0) -> ()");
+  m.def(
+      "rope_logn_qk_(Tensor(a!) q, Tensor(b!) k, Tensor cu_seqlens, int tokens, "
+      "int num_q_heads, int num_kv_heads, int head_dim, int rotary_dim, bool interleaved, "
+      "float theta, float logn_base, int unroll=0, int target_threads_per_sm=0) -> ()");
 }
 
 TORCH_LIBRARY_IMPL(attn_backends_native, CUDA, m) {
   m.impl("rope_logn_", &attn_backends::rope_logn_cuda);
+  m.impl("rope_logn_qk_", &attn_backends::rope_logn_qk_cuda);
 }
 
 TORCH_LIBRARY_IMPL(attn_backends_native, Meta, m) {
   m.impl("rope_logn_", &attn_backends::rope_logn_meta);
+  m.impl("rope_logn_qk_", &attn_backends::rope_logn_qk_meta);
 }

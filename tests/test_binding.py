@@ -13,7 +13,7 @@ from attn_backends_builtin.torch_sdpa import TorchSdpaBackend
 import attn_backends as ab
 import attn_backends.plugin as abp
 from attn_backends._backend import _backend
-from attn_backends._path import _contract, _native, _preprocess, _rope
+from attn_backends._path import _contract, _native, _preprocess, _rope, _separate
 from attn_backends._path._contract import PrefillPlan
 
 CPU = ab.Platform(kind="cpu")
@@ -214,10 +214,12 @@ def test_flashinfer_plans_with_the_bound_kernel_choice(monkeypatch):
 # Separate (q, k, v): tables per plan, the record says what runs ---------------------------------
 
 
-def test_separate_input_on_a_native_plan_builds_no_table_per_layer(monkeypatch):
+def test_separate_input_on_a_native_plan_runs_the_native_kernel_on_the_callers_tensors(
+    monkeypatch,
+):
     """A plan whose packed pass is the native kernel (emulated on CPU: a CPU run always picks
-    the torch pass) served separate q, k, v by building the torch tables, with a host-to-device
-    copy on a GPU, on every layer. Tables are the plan's now, built once."""
+    the torch pass) rotates separate q and k with the native kernel's separate form, in place
+    on the caller's tensors, once per layer, and builds no table per layer."""
     builds: list[int] = []
     real = _rope.rope_frequencies
 
@@ -225,13 +227,24 @@ def test_separate_input_on_a_native_plan_builds_no_table_per_layer(monkeypatch):
         builds.append(seq_len)
         return real(spec, seq_len)
 
-    def no_native(*args, **kwargs):
-        raise AssertionError("the native kernel works on packed rows only")
+    def no_packed(*args, **kwargs):
+        raise AssertionError("separate input must not go through the packed operator")
+
+    params = params_of()
+    exact = _rope.build_position_tables(ROPE, params.positions, params.max_seqlen_q)
+    calls: list[tuple[int, int, int]] = []
+
+    def emulated(q_rows, k_rows, cu, tokens, spec):  # the kernel's math, by torch, in place
+        calls.append((q_rows.data_ptr(), k_rows.data_ptr(), tokens))
+        _rope.apply_rope_logn(
+            q_rows[:tokens].view(tokens, -1, spec.head_dim), spec.num_heads, spec, exact
+        )
+        _rope.apply_rope_logn(k_rows[:tokens].view(tokens, -1, spec.head_dim), 0, spec, exact)
 
     monkeypatch.setattr(_rope, "rope_frequencies", counting)
-    monkeypatch.setattr(_native, "rope_logn_", no_native)
+    monkeypatch.setattr(_native, "rope_logn_", no_packed)
+    monkeypatch.setattr(_native, "rope_logn_qk_", emulated)
     backend = TorchSdpaBackend(ROPE)
-    params = params_of()
     kernel = backend.prepare(params).kernel
     builds.clear()
     plan = PrefillPlan(backend.name, ROPE, params, "native", None, kernel)
@@ -244,9 +257,42 @@ def test_separate_input_on_a_native_plan_builds_no_table_per_layer(monkeypatch):
         out = backend.forward((q, k, v), plan)
         ref = ab.reference_attention(packed, ROPE, params)
         assert ab.relative_error(out, ref) < ab.TOLERANCE[torch.float32]
+        assert calls[-1] == (q.data_ptr(), k.data_ptr(), params.token_q_num)
+    assert len(calls) == layers, "one native launch per layer"
     assert len(builds) == built, f"{len(builds) - built} table builds over {layers} layers"
     assert built == 1 and plan.tables is not None, "the plan built its tables, once"
     assert plan.rope_pass is _preprocess.NATIVE
+
+
+def test_separate_input_falls_back_to_torch_when_the_pass_declines():
+    """A pass whose separate form declines (returns False, writes nothing), or that has none,
+    leaves the rotation to the torch pass with the plan's tables: the numbers stay right."""
+    params = params_of()
+    tables = _rope.build_position_tables(ROPE, params.positions, params.max_seqlen_q)
+    asked: list[str] = []
+
+    def declines(q, k, spec, p):
+        asked.append("declined")
+        return False
+
+    passes = {
+        "declines": replace(_preprocess.NATIVE, name="declines", apply_separate=declines),
+        "none": replace(_preprocess.NATIVE, name="none", apply_separate=None),
+    }
+    for name, rope_pass in passes.items():
+        gen = torch.Generator().manual_seed(7)
+        packed = torch.randn(ROWS, ROPE.qkv_width, generator=gen)
+        q, k, _ = (t.clone() for t in packed.split([ROPE.q_width, ROPE.kv_width, ROPE.kv_width], 1))
+        heads = (ROWS, -1, ROPE.head_dim)
+        ran = _separate.rotate_separate(
+            q.view(heads), k.view(heads), ROPE, params, tables, rope_pass
+        )
+        assert ran == "torch", name
+        want = packed.clone()
+        _preprocess.apply_torch_pass(want, ROPE, params)
+        assert torch.equal(q, want[:, : ROPE.q_width]), name
+        assert torch.equal(k, want[:, ROPE.q_width : ROPE.q_width + ROPE.kv_width]), name
+    assert asked == ["declined"]
 
 
 def test_prepare_builds_tables_for_every_pass_that_rotates():

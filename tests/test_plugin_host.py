@@ -870,6 +870,10 @@ MALFORMED_PASSES: dict[str, tuple[object, str]] = {
         dataclasses.replace(_GOOD, refusal=_answers_int),  # type: ignore[arg-type]
         "refusal() returned int",
     ),
+    "separate-not-callable": (
+        dataclasses.replace(_GOOD, apply_separate="rotate"),  # type: ignore[arg-type]
+        "apply_separate must be callable or None",
+    ),
     "in-kernel-name": (dataclasses.replace(_GOOD, name="fused"), "cannot be named 'fused'"),
     "core-name": (dataclasses.replace(_GOOD, name="torch"), "already registered (by the core)"),
     "not-a-pass": ("vendor-rope", "must be a RopePass, got str"),

@@ -416,8 +416,9 @@ class ForwardPath:
         geo: Geometry,
         fp8_scales: Fp8Scales | None,
     ) -> QKVViews:
-        """Separate input: the checked views, q and k rotated by the torch pass with the
-        plan's tables, trimmed to the valid tokens (dense copies where declared)."""
+        """Separate input: the checked views, q and k rotated by the plan's pass (the torch
+        pass with the plan's tables where it takes no separate tensors), trimmed to the valid
+        tokens (dense copies where declared)."""
         assert geo.grids is not None and isinstance(plan, PrefillPlan)  # _learn proved both
         gq, gk, gv = geo.grids
         q = gq.of(cast(torch.Tensor, given.q))
@@ -429,9 +430,10 @@ class ForwardPath:
             check_writable(k)
             assert plan.tables is not None  # built in prepare for every plan that rotates
             try:
-                rotate_separate(q, k, self._spec, plan.params, plan.tables)
+                rotate_separate(q, k, self._spec, plan.params, plan.tables, plan.rope_pass)
             except Exception as exc:
-                raise _pass_failure("torch", exc, separate_note(tokens, certain=False)) from exc
+                name = plan.rope_pass.name if plan.rope_pass is not None else "torch"
+                raise _pass_failure(name, exc, separate_note(tokens, certain=False)) from exc
         q, k, v = q[:tokens], k[:tokens], v[:tokens]
         if geo.dense_tensors:
             q, k, v = q.contiguous(), k.contiguous(), v.contiguous()

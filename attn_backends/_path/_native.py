@@ -276,3 +276,25 @@ def rope_logn_(
         unroll,
         target_threads_per_sm,
     )
+
+
+def rope_logn_qk_(
+    q: torch.Tensor, k: torch.Tensor, cu_seqlens: torch.Tensor, tokens: int, spec: AttentionSpec
+) -> None:
+    """`rope_logn_` on separate ``q`` ``[rows, Hq * D]`` and ``k`` ``[rows, Hkv * D]`` (dense
+    columns, any row strides, the same rows): one launch, in place, nothing allocated."""
+    load()  # builds the library (and remembers a failure) like the packed operator
+    rope = spec.rope
+    torch.ops.attn_backends_native.rope_logn_qk_(
+        q,
+        k,
+        cu_seqlens,
+        tokens,
+        spec.num_heads,
+        spec.num_kv_heads,
+        spec.head_dim,
+        spec.rotary_dim,
+        rope.interleaved if rope is not None else False,
+        float(rope.theta) if rope is not None else 0.0,
+        float(spec.logn_base) if spec.use_logn_attn and spec.logn_base is not None else 0.0,
+    )

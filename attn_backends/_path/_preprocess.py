@@ -115,6 +115,15 @@ def _apply_native(packed: torch.Tensor, spec: AttentionSpec, params: FMHAParams)
     return True
 
 
+def _apply_native_separate(
+    q: torch.Tensor, k: torch.Tensor, spec: AttentionSpec, params: FMHAParams
+) -> bool:
+    # view, never reshape: a copy would be rotated instead of the caller's tensors
+    rows_q, rows_k = q.view(q.shape[0], -1), k.view(k.shape[0], -1)
+    _native.rope_logn_qk_(rows_q, rows_k, params.cu_seqlens_q, params.token_q_num, spec)
+    return True
+
+
 def apply_torch_pass(packed: torch.Tensor, spec: AttentionSpec, params: FMHAParams) -> bool:
     """The torch pass with tables built on the spot (plans build them once, in prepare)."""
     _apply_torch(
@@ -141,6 +150,7 @@ NATIVE = RopePass(
     "fused pass against several elementwise torch kernels, not yet measured",
     refusal=native_refusal,
     apply=_apply_native,
+    apply_separate=_apply_native_separate,
 )
 TORCH = RopePass(
     name="torch",

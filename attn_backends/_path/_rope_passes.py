@@ -44,6 +44,8 @@ PROBE_PLATFORMS: dict[PlatformKind, str] = {
 """Where a plugin's pass is asked about a plain RoPE spec at registration (dry-run platforms)."""
 
 T = TypeVar("T")
+SeparateApply = Callable[["torch.Tensor", "torch.Tensor", "AttentionSpec", "FMHAParams"], bool]
+"""``(q, k, spec, params) -> bool``: a pass on separate Q and K tensors (`RopePass`)."""
 
 
 @dataclass(frozen=True)
@@ -63,6 +65,10 @@ class RopePass:
     refusal: Callable[[AttentionSpec, Platform], str | None]
     """Why the pass cannot serve a spec on a platform (None: it can)."""
     apply: Callable[[torch.Tensor, AttentionSpec, FMHAParams], bool]
+    apply_separate: SeparateApply | None = None
+    """The same pass on separate ``q`` ``[rows, Hq, D]`` and ``k`` ``[rows, Hkv, D]`` (heads
+    dense in a row, rows strided), in place on their valid rows; False, having written nothing,
+    for tensors it cannot take. None: separate input goes through the torch pass."""
 
     def rank(self, kind: PlatformKind) -> int | None:
         return next((r for k, r in self.ranks if k == kind), None)
@@ -141,6 +147,8 @@ def _shape_problems(candidate: object) -> list[str]:
         problems.append(f"RoPE pass {name!r}: refusal must be callable")
     if not callable(candidate.apply):
         problems.append(f"RoPE pass {name!r}: apply must be callable")
+    if candidate.apply_separate is not None and not callable(candidate.apply_separate):
+        problems.append(f"RoPE pass {name!r}: apply_separate must be callable or None")
     return problems
 
 

@@ -8,9 +8,10 @@ the first write, RoPE/logn in place on the valid rows of ``q`` and ``k`` (V and 
 written), views trimmed to the valid tokens reach the kernel, copied only for a backend that
 declares it needs dense memory.
 
-Two rules are this input's own. The RoPE/logn pass is the torch one whatever the plan's packed
-pass is (the native kernel and flashinfer's work on packed rows), with the tables the plan built
-once in ``prepare``. And a plan that rotates refuses q or k sharing any byte with another input
+Two rules are this input's own. The RoPE/logn pass is the plan's own when it takes separate
+tensors (`RopePass.apply_separate`: the native kernel and flashinfer's do, in one launch that
+allocates nothing), else the torch one, with the tables the plan built once in ``prepare``.
+And a plan that rotates refuses q or k sharing any byte with another input
 (``k is v``, ``q`` a view of ``v``, overlapping columns of one buffer): the pass would write V, or
 rotate a byte twice. Views of disjoint columns of one buffer are fine.
 """
@@ -25,6 +26,7 @@ from .._model._spec import AttentionSpec
 from ._checks import SeparateQKV, fail
 from ._geometry import Geometry, Grid, InputLayout, RowsRule
 from ._rope import PositionTables, apply_rope_logn
+from ._rope_passes import RopePass
 
 __all__ = [
     "SeparateQKV",
@@ -198,12 +200,20 @@ def rotate_separate(
     spec: AttentionSpec,
     params: FMHAParams,
     tables: PositionTables,
-) -> None:
-    """RoPE on the valid rows of ``q`` and ``k`` and logn on ``q``, in place (torch ops), with
-    the plan's tables (built once per batch, never per layer)."""
+    rope_pass: RopePass | None = None,
+) -> str:
+    """RoPE on the valid rows of ``q`` and ``k`` and logn on ``q``, in place; returns the name
+    of the pass that ran. The plan's pass runs when it takes separate tensors (the native
+    kernel, flashinfer's: one launch, nothing allocated); otherwise the torch ops, with the
+    plan's tables (built once per batch, never per layer)."""
+    separate = rope_pass.apply_separate if rope_pass is not None else None
+    if separate is not None and separate(q, k, spec, params):
+        assert rope_pass is not None
+        return rope_pass.name
     tokens = params.token_q_num
     apply_rope_logn(q[:tokens], spec.num_heads, spec, tables)
     apply_rope_logn(k[:tokens], 0, spec, tables)
+    return "torch"
 
 
 def separate_note(tokens: int, *, certain: bool) -> str:

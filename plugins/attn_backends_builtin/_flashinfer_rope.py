@@ -8,6 +8,8 @@ native kernel, but RoPE only (no logn) and with a larger error at long positions
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 
 from attn_backends import AttentionSpec, FMHAParams, Platform
@@ -69,6 +71,29 @@ def apply_flashinfer_rope(packed: torch.Tensor, spec: AttentionSpec, params: FMH
     k = rows[:, spec.q_width : spec.q_width + spec.kv_width].view(
         tokens, spec.num_kv_heads, spec.head_dim
     )
+    _rotate(flashinfer, q, k, spec, params)
+    return True
+
+
+def apply_flashinfer_rope_separate(
+    q: torch.Tensor, k: torch.Tensor, spec: AttentionSpec, params: FMHAParams
+) -> bool:
+    """The same on separate ``q`` ``[rows, Hq, D]`` and ``k`` ``[rows, Hkv, D]``; False
+    (nothing written) when either breaks the 16-byte rule."""
+    if not (is_aligned(q) and is_aligned(k)):  # base and row stride, as for packed rows
+        return False
+    import flashinfer  # lazily: a GPU library, present when this pass was chosen
+
+    tokens = params.token_q_num
+    _rotate(flashinfer, q[:tokens], k[:tokens], spec, params)
+    return True
+
+
+def _rotate(
+    flashinfer: Any, q: torch.Tensor, k: torch.Tensor, spec: AttentionSpec, params: FMHAParams
+) -> None:
+    """``apply_rope_pos_ids_inplace`` on ``[tokens, heads, D]`` views of the valid rows."""
+    assert spec.rope is not None  # chosen only with RoPE
     flashinfer.apply_rope_pos_ids_inplace(
         q,
         k,
@@ -78,7 +103,6 @@ def apply_flashinfer_rope(packed: torch.Tensor, spec: AttentionSpec, params: FMH
         rope_scale=float(spec.rope.scaling.factor) if spec.rope.scaling is not None else 1.0,
         rope_theta=float(spec.rope.theta),
     )
-    return True
 
 
 FLASHINFER_ROPE = RopePass(
@@ -89,4 +113,5 @@ FLASHINFER_ROPE = RopePass(
     "but RoPE only and a larger error at long positions: below native, above torch (5.8%)",
     refusal=flashinfer_rope_refusal,
     apply=apply_flashinfer_rope,
+    apply_separate=apply_flashinfer_rope_separate,
 )

@@ -81,6 +81,43 @@ def _native_pass(packed, spec, params):
     _native.rope_logn_(packed, params.cu_seqlens_q, params.token_q_num, spec)
 
 
+def _native_separate(lead_q, trail_q, lead_k, trail_k):
+    """The separate form of the kernel on Q and K copied into two buffers of their own (other
+    offsets and row strides than the packed rows), then written back for the comparison; the
+    columns around each slice must stay as they were."""
+
+    def apply(packed, spec, params):
+        rows, qk = packed.shape[0], spec.q_width + spec.kv_width
+        slices = []
+        for cols, lead, trail in (
+            (slice(0, spec.q_width), lead_q, trail_q),
+            (slice(spec.q_width, qk), lead_k, trail_k),
+        ):
+            width = cols.stop - cols.start
+            backing = torch.full((rows, lead + width + trail), 7.0, dtype=spec.dtype, device="cuda")
+            backing[:, lead : lead + width] = packed[:, cols]
+            slices.append((cols, backing, backing[:, lead : lead + width], lead, width))
+        (_, _, q, _, _), (_, _, k, _, _) = slices
+        _native.rope_logn_qk_(q, k, params.cu_seqlens_q, params.token_q_num, spec)
+        for cols, backing, view, lead, width in slices:
+            assert bool((backing[:, :lead] == 7).all() and (backing[:, lead + width :] == 7).all())
+            packed[:, cols] = view
+
+    return apply
+
+
+@pytest.mark.parametrize(
+    "layout", [(0, 0, 0, 0), (8, 16, 24, 0), (3, 1, 0, 5)], ids=["plain", "strided", "misaligned"]
+)
+@pytest.mark.parametrize(("rope", "logn"), [("rh", None), ("il-r64", 16), ("rh-r24", 16)])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=str)
+def test_native_separate_form_is_the_packed_result(dtype, rope, logn, layout):
+    spec = _spec(dtype, ROPES[rope], logn)
+    ratio, _, untouched = _run(spec, LENGTHS, 0, 0, _native_separate(*layout))
+    assert ratio <= 1.0, f"error {ratio:.3f} x the rounding bound"
+    assert untouched, "V or padding rows were written"
+
+
 def test_native_kernel_builds_here():
     assert _native.unavailable_reason() is None
 
@@ -125,7 +162,8 @@ def test_contract_picks_the_native_pass_and_attention_matches():
     qkv = qkv.to("cuda", spec.dtype)
     pristine = qkv.clone()
     plan = sel.backend.prepare(params)
-    assert plan.preprocess == "native" and plan.tables is None
+    assert plan.preprocess == "native"
+    assert plan.tables is not None, "built once per batch, for a pass that declines a buffer"
     out = sel.backend.forward(qkv, plan)
     err = ab.relative_error(out, ab.reference_attention(pristine, spec, params))
     assert err < ab.TOLERANCE[spec.dtype]
