@@ -35,7 +35,7 @@ import statistics
 import sys
 import tempfile
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
@@ -314,7 +314,10 @@ class Paths:
         return self._flash
 
 
-def run_workload(paths: Paths, batch: list[str], queries: bool, repeats: int) -> list[PathResult]:
+def run_workload(
+    paths: Paths, batch: list[str], queries: bool, repeats: int
+) -> Iterator[PathResult]:
+    """Each path's result as soon as it is measured (a run cut short keeps the earlier ones)."""
     device = paths.device
     size = len(batch)
 
@@ -343,14 +346,13 @@ def run_workload(paths: Paths, batch: list[str], queries: bool, repeats: int) ->
         ),
     ]
     tokens = sum(len(x) for x in paths.padded.tokenizer(batch, truncation=True)["input_ids"])
-    results: list[PathResult] = []
     reference: torch.Tensor | None = None
     tolerance = 0.9999 if paths.dtype == torch.float32 else 0.99
     for name, fn, why in candidates:
         result = PathResult(name, tokens=tokens)
-        results.append(result)
         if fn is None:
             result.status = f"skipped: {why}"
+            yield result
             continue
         try:
             paths.cells.clear()
@@ -362,10 +364,12 @@ def run_workload(paths: Paths, batch: list[str], queries: bool, repeats: int) ->
             result.min_cosine = float(torch.nn.functional.cosine_similarity(got, reference).min())
             if result.min_cosine < tolerance:
                 result.status = f"wrong output: min cosine {result.min_cosine:.6f}"
+                yield result
                 continue
             times = _time(fn, repeats, device)
         except Exception as exc:  # a path that fails is reported, the others still run
             result.status = f"failed: {type(exc).__name__}: {str(exc)[:200]}"
+            yield result
             continue
         result.p50_ms = statistics.median(times)
         result.p99_ms = _percentile(times, 0.99)
@@ -378,7 +382,7 @@ def run_workload(paths: Paths, batch: list[str], queries: bool, repeats: int) ->
                 "bucketed": stats.bucketed,
                 "eager": stats.eager,
             }
-    return results
+        yield result
 
 
 def workloads(dry: bool) -> dict[str, list[str]]:
@@ -417,7 +421,7 @@ def main(argv: list[str] | None = None) -> int:
                 for result in run_workload(paths, batch, queries, repeats):
                     report.append({"model": name, "workload": workload, **asdict(result)})
                     print(_markdown(report[-1:], device).splitlines()[-1], flush=True)
-                _write(args.out, report, device)  # each workload: a run cut short keeps these
+                    _write(args.out, report, device)  # a run cut short keeps what it measured
     print(_write(args.out, report, device))
     wrong = [r for r in report if r["status"].startswith(("wrong", "failed"))]
     return 1 if wrong else 0

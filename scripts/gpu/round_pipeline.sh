@@ -79,11 +79,14 @@ e2e() {  # e2e MODEL...: one process each, so a model cut short loses only itsel
     done
 }
 
-step "4a. serving benchmark"
-timeout "${SERVING_TIMEOUT:-330}" python3 benchmarks/serving_bench.py --out "$run_dir/serving" \
-    --models bge-m3,qwen3 --repeats 20 >"$run_dir/serving.log" 2>&1
-step "serving rc=$?"
-tail -24 "$run_dir/serving.log"
+step "4a. serving benchmark, one process per model"
+for model in bge-m3 qwen3; do
+    timeout "${SERVING_TIMEOUT:-240}" python3 benchmarks/serving_bench.py \
+        --out "$run_dir/serving-$model" --models "$model" --repeats 20 \
+        >"$run_dir/serving-$model.log" 2>&1
+    step "serving $model rc=$?"
+    grep '^|' "$run_dir/serving-$model.log" | tail -20
+done
 
 step "4b. whole models with local layers"
 e2e modernbert embeddinggemma
