@@ -10,9 +10,8 @@
 # 2. the build of the remaining modules (fp16, windows, soft-cap, ALiBi; not FMHA v2), beside
 #    the GPU tests that load only bf16 modules (RoPE kernel, graph runner, graph encoder);
 # 3. the flashinfer-rope and flashinfer conformance runs, beside tests/gpu/test_nvidia_gpu.py;
-# 4. timing, with nothing else running: the serving benchmark, whole models with local layers
-#    (ModernBERT, EmbeddingGemma), attention TFLOP/s, the benchmark's host mode, the other whole
-#    models (XLM-R, Qwen3);
+# 4. timing, with nothing else running: the serving benchmark, attention TFLOP/s, the
+#    benchmark's host mode, whole models (those with local layers first);
 # 5. the zoo with heads of 64 (served by flashinfer), then trt's conformance (its FMHA v2
 #    modules build on first use) while time remains.
 set -u
@@ -71,7 +70,7 @@ step "conformance done"
 e2e() {  # e2e MODEL...: one process each, so a model cut short loses only itself
     local model
     for model in "$@"; do
-        timeout "${E2E_TIMEOUT:-150}" python3 scripts/gpu/e2e_models.py \
+        timeout "${E2E_TIMEOUT:-120}" python3 scripts/gpu/e2e_models.py \
             --out "$run_dir/e2e-$model" --models "$model" --warmup 2 --runs 5 \
             >"$run_dir/e2e-$model.log" 2>&1
         step "e2e $model rc=$?"
@@ -81,30 +80,27 @@ e2e() {  # e2e MODEL...: one process each, so a model cut short loses only itsel
 
 step "4a. serving benchmark, one process per model"
 for model in bge-m3 qwen3; do
-    timeout "${SERVING_TIMEOUT:-240}" python3 benchmarks/serving_bench.py \
+    timeout "${SERVING_TIMEOUT:-200}" python3 benchmarks/serving_bench.py \
         --out "$run_dir/serving-$model" --models "$model" --repeats 20 \
         >"$run_dir/serving-$model.log" 2>&1
     step "serving $model rc=$?"
     grep '^|' "$run_dir/serving-$model.log" | tail -20
 done
 
-step "4b. whole models with local layers"
-e2e modernbert embeddinggemma
-
-step "4c. attention TFLOP/s"
-timeout 150 python3 benchmarks/attention_tflops.py --out "$run_dir/tflops" \
+step "4b. attention TFLOP/s"
+timeout 120 python3 benchmarks/attention_tflops.py --out "$run_dir/tflops" \
     >"$run_dir/tflops.log" 2>&1
 step "tflops rc=$?"
 tail -28 "$run_dir/tflops.log"
 
-step "4d. host time per call (benchmark host mode, 11 workloads)"
-timeout 200 python3 -m attn_backends_bench --out "$run_dir/bench-host" --modes host \
-    --time-budget-s 170 >"$run_dir/bench-host.log" 2>&1
+step "4c. host time per call (benchmark host mode, 11 workloads)"
+timeout 170 python3 -m attn_backends_bench --out "$run_dir/bench-host" --modes host \
+    --time-budget-s 140 >"$run_dir/bench-host.log" 2>&1
 step "bench host rc=$?"
 tail -24 "$run_dir/bench-host.log"
 
-step "4e. the other whole models"
-e2e xlmr qwen3
+step "4d. whole models: local layers first (ModernBERT, EmbeddingGemma), then XLM-R, Qwen3"
+e2e modernbert embeddinggemma xlmr qwen3
 
 step "5. zoo with heads of 64, then trt"
 zoo zoo-d64 64 300
