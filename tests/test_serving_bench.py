@@ -15,12 +15,17 @@ pytest.importorskip("sentence_transformers")
 SCRIPT = Path(__file__).resolve().parents[1] / "benchmarks" / "serving_bench.py"
 
 
-def test_dry_mode_runs_and_checks_outputs(tmp_path):
+def _load():
     spec = importlib.util.spec_from_file_location("serving_bench", SCRIPT)
     assert spec is not None and spec.loader is not None
     bench = importlib.util.module_from_spec(spec)
     sys.modules["serving_bench"] = bench  # dataclasses look their module up by name
     spec.loader.exec_module(bench)
+    return bench
+
+
+def test_dry_mode_runs_and_checks_outputs(tmp_path):
+    bench = _load()
     assert bench.main(["--dry", "--models", "bge-m3", "--out", str(tmp_path)]) == 0
     report = json.loads((tmp_path / "serving_bench.json").read_text())
     by_path = {(r["workload"].split()[0], r["path"]): r for r in report}
@@ -34,3 +39,20 @@ def test_dry_mode_runs_and_checks_outputs(tmp_path):
     assert graphs["extra"]["bucketed"] > 0 and graphs["extra"]["eager"] == 0, "CPU: no capture"
     assert by_path[("documents", "st-packed-graphs")]["status"].startswith("skipped")
     assert "| st-packed |" in (tmp_path / "serving_bench.md").read_text()
+
+
+def test_compiled_path_runs_the_batches_sentence_transformers_builds(tmp_path, monkeypatch):
+    """The compile baseline pads sentence-transformers' own batches (longest first, 32 texts
+    each) to buckets and returns the embeddings in the texts' order, under no autograd (on CPU
+    with the compiler replaced by the model itself)."""
+    bench = _load()
+    monkeypatch.setattr(bench.torch, "compile", lambda model, mode: model)
+    case = bench._cases()["bge-m3"]
+    st_dir = bench.build_model("bge-m3", case, tmp_path, True, 64)
+    paths = bench.Paths(st_dir, case, bench.torch.device("cpu"), True)
+    texts = bench.texts(40, 4, 30, 7)  # two batches: 32 + 8
+    got = paths.encode_compiled(texts)
+    want = paths.padded.encode(texts, convert_to_tensor=True)
+    assert got.shape == want.shape and not got.requires_grad
+    cos = bench.torch.nn.functional.cosine_similarity(got.float(), want.float())
+    assert float(cos.min()) > 0.9999

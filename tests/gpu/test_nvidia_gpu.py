@@ -178,6 +178,7 @@ def test_separate_qkv_allocates_only_the_output_and_never_syncs(name):
     plan = backend.prepare(params)
     out = backend.forward(_separate_views(qkv.clone(), spec), plan)  # kernels loaded
     _check(out, qkv, spec, params)
+    del out  # freed now, not while the measured forward's output replaces it
     buf = qkv.clone()
     torch.cuda.synchronize()
     before = torch.cuda.memory_stats()["requested_bytes.all.current"]

@@ -85,6 +85,24 @@ def test_bf16(class_name):
     _check(_result(class_name, torch.bfloat16))
 
 
+def test_a_class_whose_default_config_fails_is_run_not_excluded():
+    """Another transformers version may ship a config whose defaults do not validate (seen:
+    a required sub-config left None): the catalogue must not fail at collection, nor hide
+    the class as not applicable; the zoo runs it and its build reports why it failed."""
+
+    class Model:
+        def forward(self, input_ids, attention_mask=None):
+            raise AssertionError("not called")
+
+    class BrokenConfig:
+        sub_configs = None
+
+        def __init__(self):
+            raise TypeError("Field 'text_encoder' expected dict, got NoneType")
+
+    assert catalogue._exclusion("broken", Model, BrokenConfig) is None
+
+
 def test_every_class_is_in_the_zoo_or_excluded_by_a_rule():
     entries = catalogue.entries()
     assert len(entries) > 400  # the installed transformers' base classes, not a hand list
