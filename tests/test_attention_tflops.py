@@ -3,23 +3,15 @@ the float64 reference; its FLOP count and its wrong-result guard are the paper's
 
 from __future__ import annotations
 
-import importlib.util
 import json
-import sys
-from pathlib import Path
 
 import torch
 
-SCRIPT = Path(__file__).resolve().parents[1] / "benchmarks" / "attention_tflops.py"
+from tests.script_support import load_script
 
 
 def _load():
-    spec = importlib.util.spec_from_file_location("attention_tflops", SCRIPT)
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    sys.modules["attention_tflops"] = module  # dataclasses look their module up by name
-    spec.loader.exec_module(module)
-    return module
+    return load_script("benchmarks/attention_tflops.py")
 
 
 def test_dry_grid_checks_every_path(tmp_path):

@@ -286,3 +286,37 @@ def test_a_cache_that_cannot_be_used_is_a_named_error_not_a_crash(
     assert reason is not None
     assert f"the native-kernel cache {_native.cache_root()} cannot be used" in reason
     assert loader.builds == []
+
+
+def test_both_operators_get_the_schema_argument_order(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The packed and the separate operator take the spec's arguments in the schema's order
+    (heads, head_dim, rotary_dim, interleaved, theta, logn base), from one place."""
+    calls: dict[str, tuple[object, ...]] = {}
+
+    def packed_op(*args: object) -> None:
+        calls["packed"] = args
+
+    def qk_op(*args: object) -> None:
+        calls["qk"] = args
+
+    class Ops:
+        rope_logn_qk_ = staticmethod(qk_op)
+
+    monkeypatch.setattr(_native, "load", lambda: packed_op)
+    monkeypatch.setattr(torch.ops, "attn_backends_native", Ops(), raising=False)
+    spec = ab.AttentionSpec(
+        8,
+        2,
+        128,
+        torch.bfloat16,
+        causal=True,
+        rope=ab.RopeSpec(5e5, 64, interleaved=True),
+        use_logn_attn=True,
+        logn_base=4096,
+    )
+    q, k, cu = torch.empty(3, 8 * 128), torch.empty(3, 2 * 128), torch.tensor([0, 3])
+    _native.rope_logn_(q, cu, 3, spec, unroll=2, target_threads_per_sm=1024)
+    _native.rope_logn_qk_(q, k, cu, 3, spec)
+    expected = (8, 2, 128, 64, True, 5e5, 4096.0)
+    assert calls["packed"] == (q, cu, 3, *expected, 2, 1024)
+    assert calls["qk"] == (q, k, cu, 3, *expected)

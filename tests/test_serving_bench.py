@@ -3,25 +3,17 @@ the padding sentence-transformers' own batches hold."""
 
 from __future__ import annotations
 
-import importlib.util
 import json
-import sys
-from pathlib import Path
 
 import pytest
 
 pytest.importorskip("sentence_transformers")
 
-SCRIPT = Path(__file__).resolve().parents[1] / "benchmarks" / "serving_bench.py"
+from tests.script_support import load_script
 
 
 def _load():
-    spec = importlib.util.spec_from_file_location("serving_bench", SCRIPT)
-    assert spec is not None and spec.loader is not None
-    bench = importlib.util.module_from_spec(spec)
-    sys.modules["serving_bench"] = bench  # dataclasses look their module up by name
-    spec.loader.exec_module(bench)
-    return bench
+    return load_script("benchmarks/serving_bench.py")
 
 
 def test_dry_mode_runs_and_checks_outputs(tmp_path):

@@ -260,22 +260,7 @@ def rope_logn_(
 
     ``unroll`` and ``target_threads_per_sm`` are tuning knobs for measurements (0: defaults).
     """
-    op = load()
-    rope = spec.rope
-    op(
-        packed,
-        cu_seqlens,
-        tokens,
-        spec.num_heads,
-        spec.num_kv_heads,
-        spec.head_dim,
-        spec.rotary_dim,
-        rope.interleaved if rope is not None else False,
-        float(rope.theta) if rope is not None else 0.0,
-        float(spec.logn_base) if spec.use_logn_attn and spec.logn_base is not None else 0.0,
-        unroll,
-        target_threads_per_sm,
-    )
+    load()(packed, cu_seqlens, tokens, *_spec_args(spec), unroll, target_threads_per_sm)
 
 
 def rope_logn_qk_(
@@ -284,12 +269,14 @@ def rope_logn_qk_(
     """`rope_logn_` on separate ``q`` ``[rows, Hq * D]`` and ``k`` ``[rows, Hkv * D]`` (dense
     columns, any row strides, the same rows): one launch, in place, nothing allocated."""
     load()  # builds the library (and remembers a failure) like the packed operator
+    torch.ops.attn_backends_native.rope_logn_qk_(q, k, cu_seqlens, tokens, *_spec_args(spec))
+
+
+def _spec_args(spec: AttentionSpec) -> tuple[int, int, int, int, bool, float, float]:
+    """The spec's part of both operators' arguments: heads, head_dim, rotary_dim, interleaved,
+    theta (0 without RoPE) and the logn base (0 without logn)."""
     rope = spec.rope
-    torch.ops.attn_backends_native.rope_logn_qk_(
-        q,
-        k,
-        cu_seqlens,
-        tokens,
+    return (
         spec.num_heads,
         spec.num_kv_heads,
         spec.head_dim,
