@@ -334,19 +334,79 @@ def _segment_tiles(
 ) -> Iterator[tuple[int, int, int, torch.Tensor, torch.Tensor]]:
     """Per tile of each packed sequence: ``(row, first query column, first key column, what
     the model allows, where it differs)``. The keys are the sequence's own, plus on causal
-    layers the key just before it (which the model must not see either)."""
+    layers the key just before it (which the model must not see either).
+
+    One evaluation of the model's mask costs about the same for a few cells as for millions
+    (``vmap`` over the model's own mask functions dominates), so consecutive sequences of a
+    row whose joint square fits `TILE_ELEMENTS` are evaluated together, and each one's
+    diagonal block is cut out of it; a longer sequence is evaluated alone, in row tiles."""
+    for group in _groups(layout.segments, spec.causal):
+        if len(group) == 1:
+            yield from _alone(model, layout, spec, *group[0])
+        else:
+            yield from _together(model, layout, spec, group)
+
+
+def _probe(spec: AttentionSpec, start: int) -> int:
+    """1 when a causal sequence starting at ``start`` has a key just before it to check."""
+    return 1 if spec.causal and start > 0 else 0
+
+
+def _groups(
+    segments: tuple[tuple[int, int, int], ...], causal: bool
+) -> Iterator[tuple[tuple[int, int, int], ...]]:
+    """Consecutive ``(row, start, stop)`` of one row whose joint square (with the probe
+    column) fits `TILE_ELEMENTS`."""
+    group: list[tuple[int, int, int]] = []
+    for segment in segments:
+        if group:
+            row, start, _ = group[0]
+            span = segment[2] - start
+            probe = 1 if causal and start > 0 else 0
+            if segment[0] != row or span * (span + probe) > TILE_ELEMENTS:
+                yield tuple(group)
+                group = []
+        group.append(segment)
+    if group:
+        yield tuple(group)
+
+
+def _alone(
+    model: ModelMask, layout: BatchLayout, spec: AttentionSpec, row: int, start: int, stop: int
+) -> Iterator[tuple[int, int, int, torch.Tensor, torch.Tensor]]:
     device = layout.params.cu_seqlens_q.device
-    for row, start, stop in layout.segments:
+    n = stop - start
+    probe = _probe(spec, start)
+    keys = torch.arange(-probe, n, device=device)[None, :]
+    step = max(1, TILE_ELEMENTS // (n + probe))
+    for q0 in range(0, n, step):
+        q1 = min(n, q0 + step)
+        allowed = model(row + 1, start + q0, q1 - q0, start - probe, n + probe)[row].to(device)
+        queries = torch.arange(q0, q1, device=device)[:, None]
+        want = (keys >= 0) & _rule(queries, keys, spec)
+        yield row, start + q0, start - probe, allowed, allowed != want
+
+
+def _together(
+    model: ModelMask,
+    layout: BatchLayout,
+    spec: AttentionSpec,
+    group: tuple[tuple[int, int, int], ...],
+) -> Iterator[tuple[int, int, int, torch.Tensor, torch.Tensor]]:
+    device = layout.params.cu_seqlens_q.device
+    row, first, _ = group[0]
+    span = group[-1][2] - first
+    lead = _probe(spec, first)
+    grid = model(row + 1, first, span, first - lead, span + lead)[row].to(device)
+    for _, start, stop in group:
         n = stop - start
-        probe = 1 if spec.causal and start > 0 else 0
+        probe = _probe(spec, start)
+        col = start - first + lead - probe  # this sequence's first key column in the grid
+        allowed = grid[start - first : stop - first, col : col + n + probe]
         keys = torch.arange(-probe, n, device=device)[None, :]
-        step = max(1, TILE_ELEMENTS // (n + probe))
-        for q0 in range(0, n, step):
-            q1 = min(n, q0 + step)
-            allowed = model(row + 1, start + q0, q1 - q0, start - probe, n + probe)[row].to(device)
-            queries = torch.arange(q0, q1, device=device)[:, None]
-            want = (keys >= 0) & _rule(queries, keys, spec)
-            yield row, start + q0, start - probe, allowed, allowed != want
+        queries = torch.arange(0, n, device=device)[:, None]
+        want = (keys >= 0) & _rule(queries, keys, spec)
+        yield row, start, start - probe, allowed, allowed != want
 
 
 def _check_segments(model: ModelMask, layout: BatchLayout, spec: AttentionSpec) -> Mismatch | None:
