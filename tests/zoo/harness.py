@@ -16,12 +16,11 @@ sdpa and eager paths on the padded batch, at least `FLOOR`, at most `CAP`; a cla
 sdpa path gets `FIXED`. Below float32 both sides are judged against the model's eager path in
 float32 on the same (rounded) weights: the integration may be off by at most `SPREAD_FACTOR`
 times the model's own low-precision error on that form (its eager or sdpa path, the larger), or
-by the class tolerance,
-whichever is larger (a deep random model in bf16, a mixture of experts above all, amplifies
-rounding far beyond any fixed bound, for its own eager path as much as for ours). A form ends
-``match``, ``refused`` (a named attn_backends error),
-``wrong`` (beyond the tolerance) or ``crash`` (any other exception); a form the model's eager
-path itself cannot run is ``n/a``.
+by the class tolerance, whichever is larger (a deep random model in bf16, a mixture of experts
+above all, amplifies rounding far beyond any fixed bound, for its own paths as much as for
+ours). A form ends ``match``, ``refused`` (a named attn_backends error), ``wrong`` (beyond the
+tolerance) or ``crash`` (any other exception); a form the model's eager path itself cannot run
+is ``n/a``.
 """
 
 from __future__ import annotations
