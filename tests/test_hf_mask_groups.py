@@ -10,6 +10,8 @@ import attn_backends as ab
 from attn_backends.integrations import _hf_mask, _layout
 
 LENGTHS = (5, 11, 1, 8, 3, 20, 2)
+Calls = list[tuple[int, int, int, int]]
+"""The ``(q_start, q_len, kv_start, kv_len)`` of each evaluation of the model's mask."""
 
 
 def _layout_of(lengths: tuple[int, ...]) -> _layout.BatchLayout:
@@ -17,7 +19,7 @@ def _layout_of(lengths: tuple[int, ...]) -> _layout.BatchLayout:
     return _layout.from_cu_seqlens(cu, 1, sum(lengths))
 
 
-def _model(lengths: tuple[int, ...], causal: bool, flip: tuple[int, int] | None, calls: list):
+def _model(lengths: tuple[int, ...], causal: bool, flip: tuple[int, int] | None, calls: Calls):
     """A model mask over absolute columns: same sequence, causal if asked; ``flip`` turns one
     cell the other way."""
     ids = torch.repeat_interleave(torch.arange(len(lengths)), torch.tensor(lengths))
@@ -42,7 +44,7 @@ def _spec(causal: bool) -> ab.AttentionSpec:
 
 @pytest.mark.parametrize("causal", [True, False])
 def test_short_sequences_are_evaluated_once(causal):
-    calls: list = []
+    calls: Calls = []
     layout = _layout_of(LENGTHS)
     found = _hf_mask._check_segments(_model(LENGTHS, causal, None, calls), layout, _spec(causal))
     assert found is None
@@ -59,7 +61,7 @@ def test_grouped_and_alone_find_the_same_cell(causal, cell, monkeypatch):
     layout = _layout_of(LENGTHS)
     grouped = _hf_mask._check_segments(_model(LENGTHS, causal, cell, []), layout, _spec(causal))
     monkeypatch.setattr(_hf_mask, "TILE_ELEMENTS", 1)  # every sequence alone
-    calls: list = []
+    calls: Calls = []
     alone = _hf_mask._check_segments(_model(LENGTHS, causal, cell, calls), layout, _spec(causal))
     assert len(calls) >= len(LENGTHS)
     assert grouped == alone
@@ -76,7 +78,7 @@ def test_grouped_and_alone_find_the_same_cell(causal, cell, monkeypatch):
 def test_a_long_sequence_is_evaluated_alone_in_row_tiles(monkeypatch):
     monkeypatch.setattr(_hf_mask, "TILE_ELEMENTS", 400)
     lengths = (3, 4, 30, 2, 2)
-    calls: list = []
+    calls: Calls = []
     layout = _layout_of(lengths)
     assert _hf_mask._check_segments(_model(lengths, True, None, calls), layout, _spec(True)) is None
     long_calls = [c for c in calls if c[0] >= 7 and c[0] < 37]
