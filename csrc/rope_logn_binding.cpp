@@ -44,7 +44,7 @@ void launch_checked(const at::Tensor& q, int64_t q_row_stride, void* k_ptr, int6
   TORCH_CHECK(tokens >= 0 && tokens <= rows, "rope_logn_: tokens (", tokens,
               ") must be in [0, rows = ", rows, "]");
   TORCH_CHECK(cu_seqlens.device() == q.device(),
-              "rope_logn_: cu_seqlens must be on the device of qkv");
+              "rope_logn_: cu_seqlens must be on the device of the rotated tensors");
   TORCH_CHECK(cu_seqlens.scalar_type() == at::kInt && cu_seqlens.dim() == 1 &&
                   cu_seqlens.is_contiguous() && cu_seqlens.numel() >= 2,
               "rope_logn_: cu_seqlens must be a contiguous 1-D int32 tensor of batch + 1 >= 2 "

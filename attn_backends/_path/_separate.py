@@ -207,8 +207,7 @@ def rotate_separate(
     kernel, flashinfer's: one launch, nothing allocated); otherwise the torch ops, with the
     plan's tables (built once per batch, never per layer)."""
     separate = rope_pass.apply_separate if rope_pass is not None else None
-    if separate is not None and separate(q, k, spec, params):
-        assert rope_pass is not None
+    if separate is not None and rope_pass is not None and separate(q, k, spec, params):
         return rope_pass.name
     tokens = params.token_q_num
     apply_rope_logn(q[:tokens], spec.num_heads, spec, tables)

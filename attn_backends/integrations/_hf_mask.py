@@ -340,7 +340,7 @@ def _segment_tiles(
     (``vmap`` over the model's own mask functions dominates), so consecutive sequences of a
     row whose joint square fits `TILE_ELEMENTS` are evaluated together, and each one's
     diagonal block is cut out of it; a longer sequence is evaluated alone, in row tiles."""
-    for group in _groups(layout.segments, spec.causal):
+    for group in _groups(layout.segments, spec):
         if len(group) == 1:
             yield from _alone(model, layout, spec, *group[0])
         else:
@@ -353,7 +353,7 @@ def _probe(spec: AttentionSpec, start: int) -> int:
 
 
 def _groups(
-    segments: tuple[tuple[int, int, int], ...], causal: bool
+    segments: tuple[tuple[int, int, int], ...], spec: AttentionSpec
 ) -> Iterator[tuple[tuple[int, int, int], ...]]:
     """Consecutive ``(row, start, stop)`` of one row whose joint square (with the probe
     column) fits `TILE_ELEMENTS`."""
@@ -362,8 +362,7 @@ def _groups(
         if group:
             row, start, _ = group[0]
             span = segment[2] - start
-            probe = 1 if causal and start > 0 else 0
-            if segment[0] != row or span * (span + probe) > TILE_ELEMENTS:
+            if segment[0] != row or span * (span + _probe(spec, start)) > TILE_ELEMENTS:
                 yield tuple(group)
                 group = []
         group.append(segment)

@@ -292,9 +292,14 @@ def _describe(e: BaseException) -> str:
     return f"{type(e).__name__}: {text[:300]}"
 
 
+def _has_sdpa(built: Built) -> bool:
+    # untyped boundary: transformers declares sdpa support as a class attribute of the model
+    return bool(getattr(type(built.model), "_supports_sdpa", False))
+
+
 def tolerance(built: Built, dtype: torch.dtype) -> float:
     """From the model's own sdpa-vs-eager spread on the right-padded batch, if it has sdpa."""
-    if not getattr(type(built.model), "_supports_sdpa", False):
+    if not _has_sdpa(built):
         return FIXED[dtype]
     run = _padded("right")
     try:
@@ -340,7 +345,7 @@ def _own_sdpa_error(built: Built, reference: Runner, exact: torch.Tensor) -> flo
     """The model's own sdpa path against float32 eager on this form (0 without sdpa): a
     mixture of experts can route a token to other experts on a rounding difference, and the
     model's own sdpa shows the same jump as any other correct kernel."""
-    if not getattr(type(built.model), "_supports_sdpa", False):
+    if not _has_sdpa(built):
         return 0.0
     try:
         return token_error(reference(built, "sdpa"), exact)
