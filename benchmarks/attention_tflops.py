@@ -23,6 +23,7 @@ import argparse
 import json
 import statistics
 import sys
+from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
@@ -41,6 +42,8 @@ FA3_H100: dict[tuple[int, bool], tuple[float, float, float]] = {
     (128, True): (292, 423, 521),
 }
 """FlashAttention-3 forward, bf16, H100 SXM5 (its paper, figure 5), TFLOP/s at 512 / 1k / 2k."""
+Step = Callable[[], torch.Tensor]
+"""One call of a timed path, returning its output."""
 TOLERANCE = 2e-2
 """Max relative error (per element, over the reference's max) a bf16 path may show."""
 
@@ -84,9 +87,8 @@ def error(out: torch.Tensor, want: torch.Tensor) -> float:
     return float((got - want).abs().max() / want.abs().max().clamp_min(1e-30))
 
 
-def timed_ms(fn: object, *, device: torch.device, calls: int, blocks: int) -> float:
+def timed_ms(fn: Step, *, device: torch.device, calls: int, blocks: int) -> float:
     """Median over ``blocks`` of the mean time of ``calls`` back-to-back calls."""
-    assert callable(fn)
     for _ in range(5):
         fn()
     samples = []
@@ -103,15 +105,20 @@ def timed_ms(fn: object, *, device: torch.device, calls: int, blocks: int) -> fl
     return float(statistics.median(samples))
 
 
-def raw_kernel(spec: ab.AttentionSpec, params: ab.FMHAParams) -> object | str:
-    """flashinfer's ragged kernel planned as the benchmark's raw path plans it, or why not."""
+def raw_kernel(spec: ab.AttentionSpec, params: ab.FMHAParams, qkv: torch.Tensor) -> Step | str:
+    """flashinfer's ragged kernel planned as the benchmark's raw path plans it, called on
+    strided views of the packed rows (as an engine would pass them), or why it cannot run."""
     try:
         from attn_backends_bench.paths import Skip
         from attn_backends_bench.ragged import flashinfer_ragged
     except ImportError as exc:
         return f"benchmark package not importable ({exc})"
     kernel = flashinfer_ragged(spec, params)
-    return kernel.reason if isinstance(kernel, Skip) else kernel
+    if isinstance(kernel, Skip):
+        return kernel.reason
+    heads, dim = spec.num_heads, spec.head_dim  # MHA: q, k and v have the same heads
+    q, k, v = (qkv.view(-1, 3, heads, dim)[:, i] for i in range(3))
+    return lambda: kernel(q, k, v).reshape(-1, heads * dim)
 
 
 def measure(
@@ -131,32 +138,17 @@ def measure(
     work = flops(batch, seq_len, heads, head_dim, causal)
     rows: list[Row] = []
 
-    def row(path: str, backend: str, fn: object, note: str = "") -> None:
-        if not callable(fn):
-            rows.append(
-                Row(
-                    seq_len,
-                    batch,
-                    head_dim,
-                    heads,
-                    causal,
-                    path,
-                    backend,
-                    None,
-                    None,
-                    fa3,
-                    None,
-                    str(fn),
-                )
-            )
-            return
-        err = error(fn(), want)
-        ms = None
-        if err > TOLERANCE:
-            note = f"wrong: relative error {err:.3g} > {TOLERANCE}; not timed"
-        elif not dry:
-            ms = timed_ms(fn, device=device, calls=20, blocks=7)
-        tf = work / (ms * 1e-3) / 1e12 if ms else None
+    def row(path: str, backend: str, fn: Step | str) -> None:
+        err = ms = tf = None
+        if isinstance(fn, str):
+            note = fn  # why the path cannot run here
+        else:
+            err, note = error(fn(), want), ""
+            if err > TOLERANCE:
+                note = f"wrong: relative error {err:.3g} > {TOLERANCE}; not timed"
+            elif not dry:
+                ms = timed_ms(fn, device=device, calls=20, blocks=7)
+                tf = work / (ms * 1e-3) / 1e12
         rows.append(
             Row(seq_len, batch, head_dim, heads, causal, path, backend, ms, tf, fa3, err, note)
         )
@@ -166,14 +158,7 @@ def measure(
     plan = backend.prepare(params)
     row("api", backend.name, lambda: backend.forward(qkv, plan))
     if device.type == "cuda":
-        q, k, v = (
-            qkv.view(-1, 3, heads, head_dim)[:, i] for i in range(3)
-        )  # strided views of the packed rows, as an engine would pass them
-        kernel = raw_kernel(spec, params)
-        if callable(kernel):
-            row("raw", "flashinfer", lambda: kernel(q, k, v).reshape(-1, heads * head_dim))
-        else:
-            row("raw", "flashinfer", kernel)
+        row("raw", "flashinfer", raw_kernel(spec, params, qkv))
     return rows
 
 
