@@ -289,31 +289,36 @@ class Paths:
         """HF sdpa under ``torch.compile(mode="reduce-overhead")``, on the batches
         sentence-transformers would build (longest first, `ST_BATCH` texts each), each padded
         to a bucket; embeddings in the texts' order."""
-        ids = self.padded.tokenizer(batch, truncation=True)["input_ids"]
-        order = sorted(range(len(batch)), key=lambda i: -len(ids[i]))
+        tokens: list[list[int]] = self.padded.tokenizer(batch, truncation=True)["input_ids"]
+        order = sorted(range(len(batch)), key=lambda i: -len(tokens[i]))
         out: list[torch.Tensor] = [torch.empty(0)] * len(batch)
         for start in range(0, len(order), ST_BATCH):
             chunk = order[start : start + ST_BATCH]
-            for i, row in zip(chunk, self._encode_bucket([batch[i] for i in chunk]), strict=True):
+            for i, row in zip(chunk, self._encode_bucket([tokens[i] for i in chunk]), strict=True):
                 out[i] = row
         return torch.stack(out)
 
-    def _encode_bucket(self, batch: list[str]) -> torch.Tensor:
+    def _encode_bucket(self, tokens: list[list[int]]) -> torch.Tensor:
+        """One batch of token ids, padded to its bucket (rows and length rounded up to powers
+        of two), through the compiled model and sentence-transformers' pooling."""
         model = self.padded
         if self._compiled is None:
             self._compiled = torch.compile(model[0].model, mode="reduce-overhead")
         tok = model.tokenizer
-        enc = tok(batch, truncation=True)
-        rows = 1 << max(0, math.ceil(math.log2(len(batch))))
-        length = 1 << math.ceil(math.log2(max(len(x) for x in enc["input_ids"])))
-        enc = tok.pad(enc, padding="max_length", max_length=length, return_tensors="pt")
+        n = len(tokens)
+        rows = 1 << max(0, math.ceil(math.log2(n)))
+        length = 1 << math.ceil(math.log2(max(len(x) for x in tokens)))
+        # the tokenizer's own padding (its side, its mask), to the bucket's length
+        enc = tok.pad(
+            {"input_ids": tokens}, padding="max_length", max_length=length, return_tensors="pt"
+        )
         ids = torch.full((rows, length), tok.pad_token_id, dtype=torch.long)
         mask = torch.zeros(rows, length, dtype=torch.long)
-        ids[: len(batch)], mask[: len(batch)] = enc["input_ids"], enc["attention_mask"]
+        ids[:n], mask[:n] = enc["input_ids"], enc["attention_mask"]
         ids, mask = ids.to(self.device), mask.to(self.device)
         with torch.no_grad():  # as encode runs: no autograd graph to compile or keep
             hidden = self._compiled(input_ids=ids, attention_mask=mask).last_hidden_state.clone()
-        features = {"token_embeddings": hidden[: len(batch)], "attention_mask": mask[: len(batch)]}
+        features = {"token_embeddings": hidden[:n], "attention_mask": mask[:n]}
         for module in list(model)[1:]:
             features = module(features)
         return features["sentence_embedding"]  # type: ignore[no-any-return]
