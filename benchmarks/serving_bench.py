@@ -414,6 +414,16 @@ def workloads(dry: bool) -> dict[str, list[str]]:
     return found
 
 
+def _chosen(found: dict[str, list[str]], prefixes: str | None) -> list[tuple[str, list[str]]]:
+    """The workloads whose names start with one of ``prefixes``, in the prefixes' order."""
+    if prefixes is None:
+        return list(found.items())
+    chosen: list[tuple[str, list[str]]] = []
+    for prefix in prefixes.split(","):
+        chosen += [(n, b) for n, b in found.items() if n.startswith(prefix.strip())]
+    return list(dict(chosen).items())
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--out", type=Path, help="directory for serving_bench.json/.md")
@@ -421,6 +431,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--repeats", type=int, default=30)
     parser.add_argument("--dry", action="store_true", help="tiny models on CPU, in seconds")
     parser.add_argument("--device", default=None)
+    parser.add_argument(
+        "--workloads",
+        default=None,
+        help="comma-separated name prefixes, run in this order (e.g. 'queries 8,documents'); "
+        "default: every workload",
+    )
     args = parser.parse_args(argv)
     device = torch.device(
         args.device or ("cuda" if torch.cuda.is_available() and not args.dry else "cpu")
@@ -431,12 +447,15 @@ def main(argv: list[str] | None = None) -> int:
     unknown = [n for n in names if n not in cases]
     if unknown:
         parser.error(f"unknown models {unknown}; choose from {sorted(cases)}")
+    chosen = _chosen(workloads(args.dry), args.workloads)
+    if not chosen:
+        parser.error(f"--workloads {args.workloads!r} names none of {list(workloads(args.dry))}")
     report: list[dict[str, Any]] = []
     with tempfile.TemporaryDirectory() as tmp:
         for name in names:
             st_dir = build_model(name, cases[name], Path(tmp), args.dry, 64 if args.dry else 8192)
             paths = Paths(st_dir, cases[name], device, args.dry)
-            for workload, batch in workloads(args.dry).items():
+            for workload, batch in chosen:
                 queries = workload.startswith("queries")
                 for result in run_workload(paths, batch, queries, repeats):
                     report.append({"model": name, "workload": workload, **asdict(result)})

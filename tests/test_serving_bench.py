@@ -48,3 +48,13 @@ def test_compiled_path_runs_the_batches_sentence_transformers_builds(tmp_path, m
     assert got.shape == want.shape and not got.requires_grad
     cos = bench.torch.nn.functional.cosine_similarity(got.float(), want.float())
     assert float(cos.min()) > 0.9999
+
+
+def test_workloads_run_in_the_order_asked():
+    bench = _load()
+    found = bench.workloads(False)
+    chosen = [name for name, _ in bench._chosen(found, "queries 8, documents,queries 8")]
+    assert chosen == ["queries 8 x 8..40", "documents 64 x 16..512"]
+    assert [n for n, _ in bench._chosen(found, None)] == list(found)
+    with pytest.raises(SystemExit):
+        bench.main(["--dry", "--workloads", "nothing"])

@@ -24,7 +24,9 @@ What attn_backends computes for a layout (``BatchLayout``):
 
 The cost is what transformers' sdpa path pays for its own mask (rows x seq x seq booleans for
 a padded batch, the sum of squared lengths for a packed one), evaluated in tiles, once per
-forward and mask kind, not per layer.
+forward and mask kind, not per layer. An evaluation costs milliseconds of host time whatever
+its size, so packed sequences of similar length share one (`hook_blocks`), and tiles are
+larger on an accelerator than on a CPU (`tile_elements`).
 """
 
 from __future__ import annotations
@@ -48,9 +50,11 @@ from ._layout import BatchLayout
 __all__ = [
     "MaskGuard",
     "MaskRequest",
+    "ModelBlocks",
     "ModelMask",
     "check_mask",
     "guard",
+    "hook_blocks",
     "layout_of_4d",
     "mask_4d_is_causal",
     "newest_serial",
@@ -64,7 +68,22 @@ ModelMask = Callable[[int, int, int, int, int], torch.Tensor]
 model's mask allows on that index grid, for batch rows ``0 .. rows - 1``."""
 
 TILE_ELEMENTS = 1 << 22
-"""Mask cells evaluated at once; bounds the memory of a check on a long batch."""
+"""Mask cells evaluated at once on a CPU; bounds the memory of a check on a long batch."""
+ACCELERATOR_TILE_ELEMENTS = 1 << 25
+"""The same on an accelerator, where an evaluation's cost is its host time (a few ms) more
+than its cells: a tile of this size holds a few hundred MB while it is evaluated."""
+
+ModelBlocks = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, int, int], torch.Tensor]
+"""``(rows, starts, stops, q_len, lead)`` -> bool ``[blocks, q_len, lead + q_len]``: block
+``g``'s cell ``(i, j)`` is what the model's mask allows query column ``starts[g] + i`` of batch
+row ``rows[g]`` against key column ``starts[g] - lead + j``; cells at or beyond ``stops[g]``
+(and before column 0) are not read and may hold anything. The packed sequences' blocks, in
+one evaluation."""
+
+
+def tile_elements(device: torch.device) -> int:
+    """Mask cells one evaluation of the model's mask may cover on ``device``."""
+    return TILE_ELEMENTS if device.type == "cpu" else ACCELERATOR_TILE_ELEMENTS
 
 
 @dataclass(eq=False)
@@ -81,6 +100,8 @@ class MaskRequest:
     evaluate: ModelMask | None
     """The model's mask; None when the hook was called without a ``mask_function`` (not by
     transformers): the padding alone is then the mask."""
+    blocks: ModelBlocks | None = None
+    """The same mask over packed sequences' blocks, in one evaluation (`hook_blocks`)."""
     chunk_size: int | None = None
     """The chunk of a chunked mask (``attention_chunk_size``): the spec's ``chunk_size`` for
     every layer handed this mask."""
@@ -256,6 +277,52 @@ def hook_mask(
     return evaluate
 
 
+def hook_blocks(
+    mask_function: Callable[..., Any],
+    padding: torch.Tensor | None,
+    use_vmap: bool,
+    device: torch.device,
+) -> ModelBlocks:
+    """The model's mask as `ModelBlocks`, evaluated by transformers' ``sdpa_mask`` like
+    `hook_mask`: the batch index of that call picks a block, whose row and first query column
+    shift the indices handed to the model's function (composed with the padding mask as
+    ``sdpa_mask`` composes it). Indices past a block's end are held at its last column, so the
+    function never reads beyond the batch."""
+    from transformers.masking_utils import and_masks, padding_mask_function, sdpa_mask
+
+    inner = (
+        mask_function
+        if padding is None
+        else and_masks(mask_function, padding_mask_function(padding))
+    )
+
+    def evaluate(
+        rows: torch.Tensor, starts: torch.Tensor, stops: torch.Tensor, q_len: int, lead: int
+    ) -> torch.Tensor:
+        last = stops - 1
+
+        def shifted(b: Any, h: Any, q: Any, kv: Any) -> Any:
+            start, end = starts[b], last[b]
+            keys = torch.clamp(torch.minimum(start - lead + kv, end), min=0)
+            return inner(rows[b], h, torch.minimum(start + q, end), keys)
+
+        mask = sdpa_mask(
+            batch_size=rows.numel(),
+            q_length=q_len,
+            kv_length=lead + q_len,
+            mask_function=shifted,
+            attention_mask=None,
+            allow_is_causal_skip=False,
+            allow_is_bidirectional_skip=False,
+            use_vmap=use_vmap,
+            device=device,
+        )
+        out = torch.as_tensor(mask).to(torch.bool)[:, 0]
+        return out.expand(rows.numel(), q_len, lead + q_len)
+
+    return evaluate
+
+
 def splits_rows(model: ModelMask, batch: int, length: int, chunk: int | None) -> bool:
     """Whether ``model``'s mask hides a token's left neighbour from it somewhere in rows
     without padding: then it splits the rows into sequences (packed input, sequence ids).
@@ -317,7 +384,7 @@ def _check_rows(model: ModelMask, layout: BatchLayout, spec: AttentionSpec) -> M
         else torch.ones(batch, seq, dtype=torch.bool, device=device)
     )
     index = valid.long().cumsum(1) - 1  # each valid token's index within its sequence
-    step = max(1, TILE_ELEMENTS // max(1, batch * seq))
+    step = max(1, tile_elements(device) // max(1, batch * seq))
     for q0 in range(0, seq, step):
         q1 = min(seq, q0 + step)
         allowed = model(batch, q0, q1 - q0, 0, seq).to(device)
@@ -329,96 +396,129 @@ def _check_rows(model: ModelMask, layout: BatchLayout, spec: AttentionSpec) -> M
     return None
 
 
+@dataclass(frozen=True)
+class _Tile:
+    """Blocks of the model's mask, one per packed sequence (or part of one): block ``g``'s cell
+    ``(i, j)`` is query column ``q_cols[g] + i`` and key column ``k_cols[g] + j`` of batch row
+    ``rows[g]``. ``differs`` is where the model's mask and the spec's rule disagree, on the
+    cells the check compares."""
+
+    rows: tuple[int, ...]
+    q_cols: tuple[int, ...]
+    k_cols: tuple[int, ...]
+    allowed: torch.Tensor
+    differs: torch.Tensor
+
+    def mismatch(self) -> Mismatch | None:
+        if not bool(self.differs.any()):
+            return None
+        g, q, k = _first(self.differs)
+        return Mismatch(
+            self.rows[g], self.q_cols[g] + q, self.k_cols[g] + k, bool(self.allowed[g, q, k])
+        )
+
+
 def _segment_tiles(
-    model: ModelMask, layout: BatchLayout, spec: AttentionSpec
-) -> Iterator[tuple[int, int, int, torch.Tensor, torch.Tensor]]:
-    """Per tile of each packed sequence: ``(row, first query column, first key column, what
-    the model allows, where it differs)``. The keys are the sequence's own, plus on causal
-    layers the key just before it (which the model must not see either).
+    model: ModelMask, blocks: ModelBlocks, layout: BatchLayout, spec: AttentionSpec
+) -> Iterator[_Tile]:
+    """The packed sequences' diagonal blocks (with, on causal layers, the key just before
+    each sequence, which the model must not let it see either), in as few evaluations of the
+    model's mask as `tile_elements` allows.
 
-    One evaluation of the model's mask costs about the same for a few cells as for millions
-    (``vmap`` over the model's own mask functions dominates), so consecutive sequences of a
-    row whose joint square fits `TILE_ELEMENTS` are evaluated together, and each one's
-    diagonal block is cut out of it; a longer sequence is evaluated alone, in row tiles."""
-    for group in _groups(layout.segments, spec):
-        if len(group) == 1:
-            yield from _alone(model, layout, spec, *group[0])
-        else:
-            yield from _together(model, layout, spec, group)
+    One evaluation costs a few milliseconds of host time whatever its size, so sequences of
+    similar length are evaluated together, as the batch of one call (``blocks``); a sequence
+    whose own block exceeds the tile is evaluated alone, in row tiles."""
+    device = layout.params.cu_seqlens_q.device
+    tile = tile_elements(device)
+    lead = 1 if spec.causal else 0
+    fits = [s for s in layout.segments if (s[2] - s[1]) * (s[2] - s[1] + lead) <= tile]
+    for segment in layout.segments:
+        if (segment[2] - segment[1]) * (segment[2] - segment[1] + lead) > tile:
+            yield from _alone(model, layout, spec, *segment)
+    fits.sort(key=lambda s: s[2] - s[1], reverse=True)
+    while fits:
+        longest = fits[0][2] - fits[0][1]
+        count = max(1, tile // (longest * (longest + lead)))
+        group, fits = fits[:count], fits[count:]
+        yield _stacked(blocks, spec, group, longest, lead, device)
 
 
-def _probe(spec: AttentionSpec, start: int) -> int:
-    """1 when a causal sequence starting at ``start`` has a key just before it to check."""
-    return 1 if spec.causal and start > 0 else 0
-
-
-def _groups(
-    segments: tuple[tuple[int, int, int], ...], spec: AttentionSpec
-) -> Iterator[tuple[tuple[int, int, int], ...]]:
-    """Consecutive ``(row, start, stop)`` of one row whose joint square (with the probe
-    column) fits `TILE_ELEMENTS`."""
-    group: list[tuple[int, int, int]] = []
-    for segment in segments:
-        if group:
-            row, start, _ = group[0]
-            span = segment[2] - start
-            if segment[0] != row or span * (span + _probe(spec, start)) > TILE_ELEMENTS:
-                yield tuple(group)
-                group = []
-        group.append(segment)
-    if group:
-        yield tuple(group)
+def _stacked(
+    blocks: ModelBlocks,
+    spec: AttentionSpec,
+    group: list[tuple[int, int, int]],
+    longest: int,
+    lead: int,
+    device: torch.device,
+) -> _Tile:
+    """One evaluation for ``group``: each sequence's block, padded to ``longest`` queries and
+    ``lead + longest`` keys; the padding cells (and a probe column before a row's first
+    sequence) are not compared."""
+    rows, starts, stops = torch.tensor(group, device=device).unbind(1)
+    lengths = (stops - starts)[:, None, None]
+    allowed = blocks(rows, starts, stops, longest, lead)
+    queries = torch.arange(longest, device=device)[None, :, None]
+    keys = torch.arange(-lead, longest, device=device)[None, None, :]
+    first_key = torch.where(starts > 0, -lead, 0)[:, None, None]
+    compared = (queries < lengths) & (keys < lengths) & (keys >= first_key)
+    want = (keys >= 0) & _rule(queries, keys, spec)
+    return _Tile(
+        tuple(s[0] for s in group),
+        tuple(s[1] for s in group),
+        tuple(s[1] - lead for s in group),
+        allowed,
+        (allowed != want) & compared,
+    )
 
 
 def _alone(
     model: ModelMask, layout: BatchLayout, spec: AttentionSpec, row: int, start: int, stop: int
-) -> Iterator[tuple[int, int, int, torch.Tensor, torch.Tensor]]:
+) -> Iterator[_Tile]:
     device = layout.params.cu_seqlens_q.device
     n = stop - start
-    probe = _probe(spec, start)
+    probe = 1 if spec.causal and start > 0 else 0
     keys = torch.arange(-probe, n, device=device)[None, :]
-    step = max(1, TILE_ELEMENTS // (n + probe))
+    step = max(1, tile_elements(device) // (n + probe))
     for q0 in range(0, n, step):
         q1 = min(n, q0 + step)
         allowed = model(row + 1, start + q0, q1 - q0, start - probe, n + probe)[row].to(device)
         queries = torch.arange(q0, q1, device=device)[:, None]
         want = (keys >= 0) & _rule(queries, keys, spec)
-        yield row, start + q0, start - probe, allowed, allowed != want
+        yield _Tile((row,), (start + q0,), (start - probe,), allowed[None], (allowed != want)[None])
 
 
-def _together(
-    model: ModelMask,
-    layout: BatchLayout,
-    spec: AttentionSpec,
-    group: tuple[tuple[int, int, int], ...],
-) -> Iterator[tuple[int, int, int, torch.Tensor, torch.Tensor]]:
-    device = layout.params.cu_seqlens_q.device
-    row, first, _ = group[0]
-    span = group[-1][2] - first
-    lead = _probe(spec, first)
-    grid = model(row + 1, first, span, first - lead, span + lead)[row].to(device)
-    for _, start, stop in group:
-        n = stop - start
-        probe = _probe(spec, start)
-        col = start - first + lead - probe  # this sequence's first key column in the grid
-        allowed = grid[start - first : stop - first, col : col + n + probe]
-        keys = torch.arange(-probe, n, device=device)[None, :]
-        queries = torch.arange(0, n, device=device)[:, None]
-        want = (keys >= 0) & _rule(queries, keys, spec)
-        yield row, start, start - probe, allowed, allowed != want
-
-
-def _check_segments(model: ModelMask, layout: BatchLayout, spec: AttentionSpec) -> Mismatch | None:
+def _check_segments(
+    model: ModelMask, blocks: ModelBlocks, layout: BatchLayout, spec: AttentionSpec
+) -> Mismatch | None:
     """Packed rows: one host sync for the whole batch, a second pass only to locate a
     difference."""
-    flags = [diff.any() for *_, diff in _segment_tiles(model, layout, spec)]
+    flags = [tile.differs.any() for tile in _segment_tiles(model, blocks, layout, spec)]
     if not bool(torch.stack(flags).any()):
         return None
-    for row, q_col, k_col, allowed, diff in _segment_tiles(model, layout, spec):
-        if bool(diff.any()):
-            q, k = _first(diff)
-            return Mismatch(row, q_col + q, k_col + k, bool(allowed[q, k]))
+    for tile in _segment_tiles(model, blocks, layout, spec):
+        found = tile.mismatch()
+        if found is not None:
+            return found
     return None
+
+
+def blocks_of(model: ModelMask) -> ModelBlocks:
+    """`ModelBlocks` from a grid evaluator, one evaluation per block: for a mask without a
+    batched form (a materialised one costs nothing to cut)."""
+
+    def evaluate(
+        rows: torch.Tensor, starts: torch.Tensor, stops: torch.Tensor, q_len: int, lead: int
+    ) -> torch.Tensor:
+        out = torch.zeros(rows.numel(), q_len, lead + q_len, dtype=torch.bool, device=rows.device)
+        spans = zip(rows.tolist(), starts.tolist(), stops.tolist(), strict=True)
+        for g, (row, start, stop) in enumerate(spans):
+            k0 = max(0, start - lead)
+            col = k0 - (start - lead)
+            got = model(row + 1, start, stop - start, k0, stop - k0)[row]
+            out[g, : stop - start, col : col + stop - k0] = got.to(out.device)
+        return out
+
+    return evaluate
 
 
 def check_mask(
@@ -428,11 +528,15 @@ def check_mask(
     *,
     model_name: str,
     layer: str,
+    blocks: ModelBlocks | None = None,
 ) -> None:
     """Raise `MaskMismatchError` unless ``model``'s mask is what ``spec`` computes over
-    ``layout`` wherever a valid query looks."""
-    check = _check_segments if layout.segments else _check_rows
-    found = check(model, layout, spec)
+    ``layout`` wherever a valid query looks. ``blocks``: the same mask in batched form, for
+    packed rows (default: one evaluation of ``model`` per sequence)."""
+    if layout.segments:
+        found = _check_segments(model, blocks or blocks_of(model), layout, spec)
+    else:
+        found = _check_rows(model, layout, spec)
     if found is not None:
         raise MaskMismatchError(_explain(found, layout, spec, model_name, layer))
 

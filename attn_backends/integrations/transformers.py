@@ -161,16 +161,18 @@ def padding_mask(
     if padding is not None and bool(padding.all()):
         padding = None
     function = kwargs.get("mask_function")
-    evaluate = (
-        _hf_mask.hook_mask(function, padding, bool(kwargs.get("use_vmap", False)), device)
-        if callable(function)
-        else None
-    )
+    use_vmap = bool(kwargs.get("use_vmap", False))
+    evaluate = blocks = None
+    if callable(function):
+        evaluate = _hf_mask.hook_mask(function, padding, use_vmap, device)
+        blocks = _hf_mask.hook_blocks(function, padding, use_vmap, device)
     if config is not None and padding is None and evaluate is not None:
         _refuse_packed_mixers(config, model, evaluate, batch_size, kv_length, chunk)
     if config is not None and padding is not None:
         _refuse_padding_blind_mixers(config, model)
-    request = MaskRequest(model, batch_size, kv_length, device, padding, evaluate, chunk)
+    request = MaskRequest(
+        model, batch_size, kv_length, device, padding, evaluate, blocks=blocks, chunk_size=chunk
+    )
     if config is not None:
         request.attention_layers = _hf_models.attention_layers(config)
         request.mixers = _hf_models.token_mixers_outside_attention(config)
@@ -449,7 +451,12 @@ def _batch_layout(
         verdict = (id(layout), spec.causal, spec.window, spec.chunk_size)
         if request.evaluate is not None and verdict not in request.checked:
             _hf_mask.check_mask(
-                request.evaluate, layout, spec, model_name=request.model, layer=layer
+                request.evaluate,
+                layout,
+                spec,
+                model_name=request.model,
+                layer=layer,
+                blocks=request.blocks,
             )
             request.checked.add(verdict)
         return layout

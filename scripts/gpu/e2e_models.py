@@ -49,6 +49,7 @@ from typing import Any
 
 import torch
 
+from attn_backends.integrations import _hf_mask
 from attn_backends.integrations import transformers as abt
 
 ZERO = "attn_backends_zero"
@@ -215,6 +216,32 @@ class Result:
     speedup: float
     packed_attention_share: float
     padded_sdpa_attention_share: float
+    packed_mask_check_s: float
+    """Of ``packed_s``: the check of the model's own masks (`_hf_mask.check_mask`), measured
+    in one more forward with the device synchronized around each check."""
+    packed_mask_checks: int
+
+
+def _mask_check_s(run: Callable[[], object], device: torch.device) -> tuple[float, int]:
+    """Seconds one forward of ``run`` spends in the mask check, and how many checks it made."""
+    spent: list[float] = []
+    original = _hf_mask.check_mask
+
+    def timed(*args: Any, **kwargs: Any) -> None:
+        _sync(device)
+        start = time.perf_counter()
+        try:
+            original(*args, **kwargs)
+        finally:
+            _sync(device)
+            spent.append(time.perf_counter() - start)
+
+    _hf_mask.check_mask = timed
+    try:
+        run()
+    finally:
+        _hf_mask.check_mask = original
+    return sum(spent), len(spent)
 
 
 def _relative(a: torch.Tensor, b: torch.Tensor) -> float:
@@ -261,6 +288,7 @@ def run_workload(work: Workload, args: argparse.Namespace, device: torch.device)
     t_padded = timed("sdpa", padded)
     t_packed_zero = timed(ZERO, packed)
     t_padded_zero = timed(ZERO, padded)
+    check_s, checks = _mask_check_s(_forward(model, abt.DEFAULT_NAME, packed), device)
     tokens = sum(lengths)
     return Result(
         model=work.name,
@@ -276,6 +304,8 @@ def run_workload(work: Workload, args: argparse.Namespace, device: torch.device)
         speedup=t_padded / t_packed,
         packed_attention_share=max(0.0, 1 - t_packed_zero / t_packed),
         padded_sdpa_attention_share=max(0.0, 1 - t_padded_zero / t_padded),
+        packed_mask_check_s=check_s,
+        packed_mask_checks=checks,
     )
 
 
@@ -285,8 +315,8 @@ def _markdown(results: list[Result], device: str) -> str:
         "zero attention function / full time.",
         "",
         "| model | texts | valid / padded tokens | backend | packed tok/s | padded sdpa tok/s "
-        "| speedup | attention share packed / sdpa | max rel. error |",
-        "|---|---|---|---|---|---|---|---|---|",
+        "| speedup | attention share packed / sdpa | mask check ms (checks) | max rel. error |",
+        "|---|---|---|---|---|---|---|---|---|---|",
     ]
     for r in results:
         lines.append(
@@ -294,6 +324,7 @@ def _markdown(results: list[Result], device: str) -> str:
             f"{', '.join(r.backends)} | {r.packed_tokens_per_s:,.0f} | "
             f"{r.padded_sdpa_tokens_per_s:,.0f} | {r.speedup:.2f}x | "
             f"{r.packed_attention_share:.0%} / {r.padded_sdpa_attention_share:.0%} | "
+            f"{r.packed_mask_check_s * 1e3:.1f} ({r.packed_mask_checks}) | "
             f"{r.max_relative_error:.2g} |"
         )
     return "\n".join(lines) + "\n"

@@ -11,8 +11,9 @@
 # prints its progress and packs build/gpu-run into OUT_DIR/run.tgz. Call it again, on the same
 # machine, until it prints "pipeline: finished". A finished pipeline is not started again; remove
 # build/gpu-run to start over. PIPELINE=features runs scripts/gpu/features_pipeline.sh (the model
-# features and whole models) and PIPELINE=round scripts/gpu/round_pipeline.sh (the boundary,
-# core and serving verification) instead of scripts/gpu/pipeline.sh.
+# features and whole models), PIPELINE=round scripts/gpu/round_pipeline.sh (the boundary,
+# core and serving verification) and PIPELINE=followup scripts/gpu/followup_pipeline.sh (what
+# the round left undone) instead of scripts/gpu/pipeline.sh.
 set -u
 out=${1:?usage: scripts/gpu/verify.sh OUT_DIR [WAIT_S]}
 wait_s=${2:-540}
@@ -20,7 +21,11 @@ case ${PIPELINE:-full} in
     full) script=scripts/gpu/pipeline.sh ;;
     features) script=scripts/gpu/features_pipeline.sh ;;
     round) script=scripts/gpu/round_pipeline.sh ;;
-    *) echo "verify.sh: PIPELINE must be full, features or round, not '$PIPELINE'" >&2; exit 2 ;;
+    followup) script=scripts/gpu/followup_pipeline.sh ;;
+    *)
+        echo "verify.sh: PIPELINE must be full, features, round or followup, not '$PIPELINE'" >&2
+        exit 2
+        ;;
 esac
 run_dir=build/gpu-run
 mkdir -p "$out" "$run_dir"
