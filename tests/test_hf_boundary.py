@@ -157,6 +157,16 @@ def test_case1_a_model_that_ignores_packed_boundaries_is_refused_at_unpack():
         abt.unpack_hidden(hidden, packed["cu_seq_lens_q"])
 
 
+
+def test_unpacking_with_a_copy_of_cu_seq_lens_on_another_device_names_the_copy():
+    """The serving record is found by the tensors the model was called with: cu_seq_lens left
+    on the CPU while the model ran on copies elsewhere are refused, and the message says why
+    (not that the model ignored the boundaries)."""
+    packed = abt.pack_sequences([[5, 6, 7], [8, 9]])
+    hidden = torch.empty(1, 5, 4, device="meta")
+    with pytest.raises(ab.IntegrationError, match="on cpu and the hidden states on meta"):
+        abt.unpack_hidden(hidden, packed["cu_seq_lens_q"])
+
 # --- 2. mask rules beyond padding, causality and a window -------------------------------------
 
 

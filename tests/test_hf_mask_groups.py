@@ -177,3 +177,20 @@ def test_hooked_blocks_equal_transformers_grid(kind, use_vmap, padded, lead):
         want = grid[1, start:stop, k0:stop]
         col = k0 - (start - lead)
         assert torch.equal(got[g, : stop - start, col : col + stop - k0], want), (kind, g)
+
+
+@pytest.mark.parametrize(
+    ("spare", "want"),
+    [
+        (1 << 40, _hf_mask.CUDA_TILE_ELEMENTS),  # plenty: the cap
+        (4 * _hf_mask.CELL_BYTES * (1 << 24), 1 << 24),  # a quarter of what is left
+        (1 << 20, _hf_mask.TILE_ELEMENTS),  # nearly nothing: never below the CPU's tile
+    ],
+)
+def test_cuda_tiles_grow_with_the_memory_left(spare, want, monkeypatch):
+    held, used = 3 << 30, 2 << 30  # the caching allocator's unused 1 GiB counts as left
+    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device: (spare - (held - used), 0))
+    monkeypatch.setattr(torch.cuda, "memory_reserved", lambda device: held)
+    monkeypatch.setattr(torch.cuda, "memory_allocated", lambda device: used)
+    assert _hf_mask.tile_elements(torch.device("cuda", 0)) == want
+    assert _hf_mask.tile_elements(torch.device("cpu")) == _hf_mask.TILE_ELEMENTS

@@ -58,3 +58,25 @@ def test_workloads_run_in_the_order_asked():
     assert [n for n, _ in bench._chosen(found, None)] == list(found)
     with pytest.raises(SystemExit):
         bench.main(["--dry", "--workloads", "nothing"])
+
+
+def test_the_padding_count_leaves_no_hook_for_the_compiler(tmp_path, monkeypatch):
+    """The padded path's batches are counted by a hook that is gone before the compiled
+    baseline compiles the same module (a hook left there made dynamo recompile per call)."""
+    bench = _load()
+    compiled = []
+
+    def compile_(model, mode):
+        compiled.append(dict(model.get_input_embeddings()._forward_hooks))
+        return model
+
+    monkeypatch.setattr(bench.torch, "compile", compile_)
+    case = bench._cases()["bge-m3"]
+    st_dir = bench.build_model("bge-m3", case, tmp_path, True, 64)
+    paths = bench.Paths(st_dir, case, bench.torch.device("cpu"), True)
+    batch = bench.texts(5, 4, 30, 3)
+    with paths.counting_cells() as cells:
+        paths.padded.encode(batch, convert_to_tensor=True)
+    assert cells and all(rows <= 5 for rows, _ in cells)
+    paths.encode_compiled(batch)
+    assert compiled == [{}]

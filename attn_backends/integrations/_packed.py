@@ -191,6 +191,14 @@ def unpack_hidden(hidden: torch.Tensor, cu_seq_lens: torch.Tensor) -> list[torch
     if len(bounds) == 2:
         return [hidden[0]]  # one sequence: no boundary that attention could have crossed
     found, served = _served.get(cu_seq_lens)
+    if not found and cu_seq_lens.device != hidden.device:
+        raise IntegrationError(
+            f"these cu_seq_lens are on {cu_seq_lens.device} and the hidden states on "
+            f"{hidden.device}: the model was called with a copy, which is another tensor, so "
+            "whether its attention layers kept the sequences apart cannot be told from them. "
+            "Pack on the model's device (pack_sequences(..., device=...)) and pass the "
+            "cu_seq_lens the model received"
+        )
     if not found:
         raise IntegrationError(
             "no attention layer served these cu_seq_lens: the model never ran its attention "

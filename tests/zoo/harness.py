@@ -256,7 +256,9 @@ def _padded(side: str) -> Runner:
 
 
 def _packed(built: Built, impl: str) -> torch.Tensor:
-    packed = abt.pack_sequences(built.right.sequences)
+    # on the model's device: unpack_hidden finds the serving record by the very tensors the
+    # model was called with (a copy moved by `_forward` would be another tensor)
+    packed = abt.pack_sequences(built.right.sequences, device=DEVICE)
     hidden = _forward(built, impl, **packed)
     return torch.cat(abt.unpack_hidden(hidden, packed["cu_seq_lens_q"]))
 
