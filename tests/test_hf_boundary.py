@@ -157,7 +157,6 @@ def test_case1_a_model_that_ignores_packed_boundaries_is_refused_at_unpack():
         abt.unpack_hidden(hidden, packed["cu_seq_lens_q"])
 
 
-
 def test_unpacking_with_a_copy_of_cu_seq_lens_on_another_device_names_the_copy():
     """The serving record is found by the tensors the model was called with: cu_seq_lens left
     on the CPU while the model ran on copies elsewhere are refused, and the message says why
@@ -166,6 +165,7 @@ def test_unpacking_with_a_copy_of_cu_seq_lens_on_another_device_names_the_copy()
     hidden = torch.empty(1, 5, 4, device="meta")
     with pytest.raises(ab.IntegrationError, match="on cpu and the hidden states on meta"):
         abt.unpack_hidden(hidden, packed["cu_seq_lens_q"])
+
 
 # --- 2. mask rules beyond padding, causality and a window -------------------------------------
 
