@@ -261,31 +261,49 @@ def request_of(mask: object) -> MaskRequest | None:
     return entry[1]
 
 
+def _sdpa_grid(
+    mask_function: Callable[..., Any],
+    padding: torch.Tensor | None,
+    use_vmap: bool,
+    device: torch.device,
+    rows: int,
+    q_len: int,
+    kv_len: int,
+    q_start: int = 0,
+    kv_start: int = 0,
+) -> torch.Tensor:
+    """bool ``[rows, q_len, kv_len]``: transformers' ``sdpa_mask`` (the path its sdpa and
+    eager attention take) with every shortcut that skips the mask switched off."""
+    from transformers.masking_utils import sdpa_mask
+
+    mask = sdpa_mask(
+        batch_size=rows,
+        q_length=q_len,
+        kv_length=kv_len,
+        q_offset=q_start,
+        kv_offset=kv_start,
+        mask_function=mask_function,
+        attention_mask=padding,
+        allow_is_causal_skip=False,
+        allow_is_bidirectional_skip=False,
+        use_vmap=use_vmap,
+        device=device,
+    )
+    return torch.as_tensor(mask).to(torch.bool)[:, 0].expand(rows, q_len, kv_len)
+
+
 def hook_mask(
     mask_function: Callable[..., Any],
     padding: torch.Tensor | None,
     use_vmap: bool,
     device: torch.device,
 ) -> ModelMask:
-    """The model's mask, evaluated by transformers' ``sdpa_mask`` (the path its sdpa and eager
-    attention take) with every shortcut that skips the mask switched off."""
-    from transformers.masking_utils import sdpa_mask
+    """The model's mask over an index grid, evaluated by transformers' ``sdpa_mask``."""
 
     def evaluate(rows: int, q_start: int, q_len: int, kv_start: int, kv_len: int) -> torch.Tensor:
-        mask = sdpa_mask(
-            batch_size=rows,
-            q_length=q_len,
-            kv_length=kv_len,
-            q_offset=q_start,
-            kv_offset=kv_start,
-            mask_function=mask_function,
-            attention_mask=padding,
-            allow_is_causal_skip=False,
-            allow_is_bidirectional_skip=False,
-            use_vmap=use_vmap,
-            device=device,
+        return _sdpa_grid(
+            mask_function, padding, use_vmap, device, rows, q_len, kv_len, q_start, kv_start
         )
-        return torch.as_tensor(mask).to(torch.bool)[:, 0].expand(rows, q_len, kv_len)
 
     return evaluate
 
@@ -301,7 +319,7 @@ def hook_blocks(
     shift the indices handed to the model's function (composed with the padding mask as
     ``sdpa_mask`` composes it). Indices past a block's end are held at its last column, so the
     function never reads beyond the batch."""
-    from transformers.masking_utils import and_masks, padding_mask_function, sdpa_mask
+    from transformers.masking_utils import and_masks, padding_mask_function
 
     inner = (
         mask_function
@@ -319,19 +337,7 @@ def hook_blocks(
             keys = torch.clamp(torch.minimum(start - lead + kv, end), min=0)
             return inner(rows[b], h, torch.minimum(start + q, end), keys)
 
-        mask = sdpa_mask(
-            batch_size=rows.numel(),
-            q_length=q_len,
-            kv_length=lead + q_len,
-            mask_function=shifted,
-            attention_mask=None,
-            allow_is_causal_skip=False,
-            allow_is_bidirectional_skip=False,
-            use_vmap=use_vmap,
-            device=device,
-        )
-        out = torch.as_tensor(mask).to(torch.bool)[:, 0]
-        return out.expand(rows.numel(), q_len, lead + q_len)
+        return _sdpa_grid(shifted, None, use_vmap, device, rows.numel(), q_len, lead + q_len)
 
     return evaluate
 

@@ -18,13 +18,6 @@ run_dir=${1:?usage: scripts/gpu/followup_pipeline.sh RUN_DIR}
 export PYTHONPATH="$PWD:$PWD/benchmarks:$PWD/plugins:${PYTHONPATH:-}"
 export PYTHONUNBUFFERED=1
 
-zoo() {  # zoo NAME HEAD_DIM TIMEOUT: every class in bf16 on cuda
-    ZOO_DEVICE=cuda ZOO_BF16_ALL=1 ZOO_HEAD_DIM=$2 ZOO_RESULTS="$run_dir/$1.json" \
-        timeout "$3" python3 -m pytest -q -p no:cacheprovider -rfE tests/zoo -k test_bf16 \
-        >"$run_dir/$1.log" 2>&1
-    step "$1 rc=$? $(tail -1 "$run_dir/$1.log")"
-}
-
 serving() {  # serving MODEL TIMEOUT
     timeout "$2" python3 benchmarks/serving_bench.py --out "$run_dir/serving-$1" --models "$1" \
         --repeats 20 --workloads "queries 8,queries 1,queries 32,documents" \
@@ -33,22 +26,11 @@ serving() {  # serving MODEL TIMEOUT
     grep '^|' "$run_dir/serving-$1.log" | tail -20
 }
 
-e2e() {  # e2e MODEL...: one process each, so a model cut short loses only itself
-    local model
-    for model in "$@"; do
-        timeout "${E2E_TIMEOUT:-120}" python3 scripts/gpu/e2e_models.py \
-            --out "$run_dir/e2e-$model" --models "$model" --warmup 2 --runs 5 \
-            >"$run_dir/e2e-$model.log" 2>&1
-        step "e2e $model rc=$?"
-        tail -3 "$run_dir/e2e-$model.log"
-    done
-}
-
 step "1. prebuild of the bf16 modules, beside the zoo (d16)"
 zoo zoo-d16 16 280 &
 beside=$!
 python3 scripts/gpu/prebuild.py --budget 400 \
-    --only '^fa3 bfloat16 d(64|128|256) posenc=NONE$|^fa2 bfloat16 d(64|128|256) posenc=ROPE_LLAMA$|^rope' \
+    --only "$BF16_MODULES" \
     >"$run_dir/prebuild-bf16.log" 2>&1
 step "prebuild bf16 rc=$?"
 tail -12 "$run_dir/prebuild-bf16.log"
