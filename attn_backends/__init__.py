@@ -30,6 +30,7 @@ from ._model._errors import (
 from ._model._features import AlibiSpec, HeadwiseConfig, SlidingWindow, bloom_alibi_slopes
 from ._model._params import FMHAParams
 from ._model._platform import Platform, detect_platform, parse_platform
+from ._model._presets import PRESETS
 from ._model._reasons import Reason, ReasonCode
 from ._model._rope_hf import rope_spec_from_hf, rope_spec_from_hf_config
 from ._model._rope_scaling import ROPE_TYPES, RopeScaling
@@ -79,6 +80,7 @@ __all__ = [
     "DISABLE_ENV",
     "PLUGINS_ENV",
     "PLUGIN_TIMEOUT_ENV",
+    "PRESETS",
     "ROPE_TYPES",
     "STRICT_ENV",
     "TOLERANCE",

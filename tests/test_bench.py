@@ -78,7 +78,6 @@ from attn_backends_bench.timing import (
     time_latency,
 )
 from attn_backends_bench.workloads import (
-    LAYERS,
     WORKLOADS,
     Targets,
     attention_bytes,
@@ -89,6 +88,7 @@ from attn_backends_bench.workloads import (
 )
 
 from attn_backends import (
+    PRESETS,
     TOLERANCE,
     AlibiSpec,
     AttentionSpec,
@@ -1347,15 +1347,11 @@ def test_graph_mode_refusals_become_not_supported_reasons():
 
 
 def test_workload_layers_are_the_cli_presets_of_the_same_name():
-    """The bench keeps its own table (the core's is private); a workload must still measure the
-    layer ``attn-backends explain --preset NAME`` explains."""
-    from attn_backends._model._presets import (
-        PRESETS,  # private: the test may look, the bench may not
-    )
-
-    assert set(LAYERS) <= set(PRESETS)
-    assert {name: PRESETS[name] for name in LAYERS} == LAYERS
-    assert {w.preset for w in WORKLOADS} <= set(LAYERS)
+    """A workload measures the layer ``attn-backends explain --preset NAME`` explains: the
+    bench reads the core's public table."""
+    assert {w.preset for w in WORKLOADS} <= set(PRESETS)
+    for w in WORKLOADS:
+        assert w.spec(torch.float16) == dataclasses.replace(PRESETS[w.preset], dtype=torch.float16)
 
 
 def test_the_ragged_kernel_is_the_one_the_flashinfer_plugin_chooses(monkeypatch):

@@ -14,20 +14,7 @@ from dataclasses import dataclass, replace
 
 import torch
 
-from attn_backends import AttentionSpec, RopeSpec
-
-LAYERS: dict[str, AttentionSpec] = {
-    "bert-base": AttentionSpec(12, 12, 64, torch.bfloat16, causal=False),
-    "bge-m3": AttentionSpec(16, 16, 64, torch.bfloat16, causal=False),
-    "qwen3-embedding-0.6b": AttentionSpec(
-        16, 8, 128, torch.bfloat16, causal=True, rope=RopeSpec(theta=1e6)
-    ),
-    "gte-qwen2-7b": AttentionSpec(28, 4, 128, torch.bfloat16, causal=True, rope=RopeSpec(1e6)),
-    "short": AttentionSpec(16, 8, 128, torch.bfloat16, causal=True, rope=RopeSpec(theta=1e6)),
-}
-"""The attention layer of each model the workloads run (bf16), named as the CLI's
-``--preset`` names it, so that ``attn-backends explain --preset NAME`` shows the decision a
-workload measures; a test keeps the two tables equal."""
+from attn_backends import PRESETS, AttentionSpec
 
 API_WITHIN = 1.05
 """Public API time over the fastest correct backend time, on every workload."""
@@ -77,7 +64,8 @@ class Workload:
     max_len: int
     """Lengths are drawn uniformly from ``[min_len, max_len]``; equal bounds mean fixed."""
     preset: str
-    """Key of `LAYERS`: the model's attention layer, under its ``--preset`` name."""
+    """Key of `attn_backends.PRESETS`: the model's attention layer, so that
+    ``attn-backends explain --preset NAME`` shows the decision the workload measures."""
     targets: Targets
     salt: int = 0
     """Mixed into the seed so that workloads draw different lengths from one ``--seed``."""
@@ -94,11 +82,11 @@ class Workload:
         return tuple(rng.randint(self.min_len, self.max_len) for _ in range(self.batch))
 
     def spec(self, dtype: torch.dtype = torch.bfloat16) -> AttentionSpec:
-        return replace(LAYERS[self.preset], dtype=dtype)
+        return replace(PRESETS[self.preset], dtype=dtype)
 
     def shape_text(self) -> str:
         """``32 x 512, 12/12 heads x 64, bidirectional, no RoPE``."""
-        layer = LAYERS[self.preset]
+        layer = PRESETS[self.preset]
         lengths = (
             f"{self.batch} x {self.max_len}"
             if not self.varlen
@@ -112,7 +100,7 @@ class Workload:
         )
 
     def to_dict(self) -> dict[str, object]:
-        layer = LAYERS[self.preset]
+        layer = PRESETS[self.preset]
         return {
             "name": self.name,
             "title": self.title,
