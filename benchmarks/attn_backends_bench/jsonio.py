@@ -12,6 +12,7 @@ from __future__ import annotations
 import json
 import math
 from collections.abc import Mapping
+from typing import TypeVar
 
 from .results import (
     MODES,
@@ -21,9 +22,7 @@ from .results import (
     Ceilings,
     HostTiming,
     Mode,
-    PathKind,
     PathResult,
-    PathStatus,
     Timing,
     WorkloadResult,
     engine_view,
@@ -32,6 +31,8 @@ from .results import (
 )
 from .targets import evaluate_targets
 from .workloads import Targets
+
+T = TypeVar("T")
 
 FORMAT = "attn-backends-bench/2"
 READABLE_FORMATS = ("attn-backends-bench/1", FORMAT)
@@ -122,31 +123,18 @@ def _opt_str(value: object, where: str) -> str | None:
     return None if value is None else _str(value, where)
 
 
-def _kind(value: object, where: str) -> PathKind:
-    for kind in PATH_KINDS:
-        if value == kind:
-            return kind
-    raise ValueError(f"{where}: unknown path kind {value!r}")
-
-
-def _mode(value: object, where: str) -> Mode:
-    for mode in MODES:
-        if value == mode:
-            return mode
-    raise ValueError(f"{where}: unknown mode {value!r}")
+def _member(value: object, allowed: tuple[T, ...], what: str, where: str) -> T:
+    """``value`` as the member of ``allowed`` (a ``Literal`` type's values) it equals."""
+    for member in allowed:
+        if value == member:
+            return member
+    raise ValueError(f"{where}: unknown {what} {value!r}")
 
 
 def _opt_bool(value: object, where: str) -> bool | None:
     if value is None or isinstance(value, bool):
         return value
     raise ValueError(f"{where}: expected true, false or null, got {value!r}")
-
-
-def _status(value: object, where: str) -> PathStatus:
-    for status in PATH_STATUSES:
-        if value == status:
-            return status
-    raise ValueError(f"{where}: unknown status {value!r}")
 
 
 def _timing(value: object, where: str) -> Timing | None:
@@ -182,9 +170,9 @@ def _path(value: object, where: str) -> PathResult:
     details = _map(d.get("details", {}), f"{where}.details")
     return PathResult(
         path=_str(d.get("path"), f"{where}.path"),
-        kind=_kind(d.get("kind"), f"{where}.kind"),
+        kind=_member(d.get("kind"), PATH_KINDS, "path kind", f"{where}.kind"),
         label=_str(d.get("label"), f"{where}.label"),
-        status=_status(d.get("status"), f"{where}.status"),
+        status=_member(d.get("status"), PATH_STATUSES, "status", f"{where}.status"),
         backend=_opt_str(d.get("backend"), f"{where}.backend"),
         details={k: _str(v, f"{where}.details.{k}") for k, v in details.items()},
         rel_error=_opt_num(d.get("rel_error"), f"{where}.rel_error"),
@@ -218,7 +206,9 @@ def _workload(value: object, where: str) -> WorkloadResult:
     modes = (
         V1_MODES
         if modes_raw is None
-        else tuple(_mode(m, f"{where}.modes") for m in _list(modes_raw, f"{where}.modes"))
+        else tuple(
+            _member(m, MODES, "mode", f"{where}.modes") for m in _list(modes_raw, f"{where}.modes")
+        )
     )
     return WorkloadResult(
         name=_str(d.get("name"), f"{where}.name"),
