@@ -61,6 +61,21 @@ def random_ids(rows: int, cols: int, *, vocab: int, seed: int = 0) -> torch.Tens
     return torch.randint(3, vocab, (rows, cols), generator=torch.Generator().manual_seed(seed))
 
 
+def padded(
+    seqs: list[list[int]], pad_id: int, *, left: bool = False
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``[rows, longest]`` token ids of ``seqs`` padded with ``pad_id`` on the right (or the
+    left), and the 0/1 attention mask that marks their tokens."""
+    width = max(len(s) for s in seqs)
+    ids = torch.full((len(seqs), width), pad_id)
+    mask = torch.zeros(len(seqs), width, dtype=torch.long)
+    for i, s in enumerate(seqs):
+        cols = slice(width - len(s), width) if left else slice(0, len(s))
+        ids[i, cols] = torch.tensor(s)
+        mask[i, cols] = 1
+    return ids, mask
+
+
 def valid_positions(inputs: Mapping[str, Any]) -> torch.Tensor:
     """The positions that hold tokens: the attention mask where there is one, else all."""
     mask = inputs.get("attention_mask")

@@ -144,14 +144,7 @@ class Batch:
 def _batch(pad_id: int, seed: int = 0, *, left: bool = False) -> Batch:
     g = torch.Generator().manual_seed(seed)
     seqs = [torch.randint(3, VOCAB, (n,), generator=g).tolist() for n in LENGTHS]
-    width = max(LENGTHS)
-    ids = torch.full((len(seqs), width), pad_id)
-    mask = torch.zeros(len(seqs), width, dtype=torch.long)
-    for i, s in enumerate(seqs):
-        cols = slice(width - len(s), width) if left else slice(0, len(s))
-        ids[i, cols] = torch.tensor(s)
-        mask[i, cols] = 1
-    return Batch(seqs, ids, mask)
+    return Batch(seqs, *hf.padded(seqs, pad_id, left=left))
 
 
 def _build(case_id: str, dtype: torch.dtype, *, layers: int | None = None) -> tuple[Any, Any]:

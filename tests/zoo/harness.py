@@ -39,6 +39,7 @@ import transformers
 
 from attn_backends import AttentionBackendError
 from attn_backends.integrations import transformers as abt
+from tests import hf_support
 from tests.zoo import catalogue, shrink
 
 NAME = abt.register()
@@ -152,14 +153,7 @@ def _batch(tiny: shrink.Tiny, *, left: bool) -> Batch:
     g = torch.Generator().manual_seed(SEED)
     seqs = [allowed[torch.randint(len(allowed), (n,), generator=g)].tolist() for n in LENGTHS]
     pad = getattr(tiny.config, "pad_token_id", None)
-    width = max(LENGTHS)
-    ids = torch.full((len(seqs), width), pad if isinstance(pad, int) else 0)
-    mask = torch.zeros(len(seqs), width, dtype=torch.long)
-    for i, s in enumerate(seqs):
-        cols = slice(width - len(s), width) if left else slice(0, len(s))
-        ids[i, cols] = torch.tensor(s)
-        mask[i, cols] = 1
-    return Batch(seqs, ids, mask)
+    return Batch(seqs, *hf_support.padded(seqs, pad if isinstance(pad, int) else 0, left=left))
 
 
 def build(entry: catalogue.Entry, dtype: torch.dtype) -> Built:
