@@ -14,6 +14,7 @@ from attn_backends_builtin.flashinfer import FlashinferBackend
 import attn_backends as ab
 import attn_backends.plugin as abp
 from tests.fakes.fake_flashinfer import install
+from tests.spec_support import batch
 
 CPU = ab.detect_platform("cpu")
 SM90 = ab.Platform(kind="cuda", arch="sm90", libraries=(("flashinfer", "fake"),))
@@ -22,14 +23,6 @@ PLAN = "BatchPrefillWithRaggedKVCacheWrapper.plan"
 
 def spec_of(causal: bool = True, dtype: torch.dtype = torch.float32, **kw: object):
     return ab.AttentionSpec(8, 2, 64, dtype, causal, **kw)  # type: ignore[arg-type]
-
-
-def batch(spec: ab.AttentionSpec, lengths: tuple[int, ...], pad: int = 0, seed: int = 0):
-    tokens = sum(lengths)
-    params = ab.FMHAParams.from_lengths(lengths, device="cpu", padded_rows=tokens + pad)
-    gen = torch.Generator().manual_seed(seed)
-    qkv = torch.randn(tokens + pad, spec.qkv_width, generator=gen).to(spec.dtype)
-    return params, qkv
 
 
 # Spec validation.

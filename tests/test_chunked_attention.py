@@ -23,6 +23,7 @@ from attn_backends._model._feature_table import CHUNK
 from attn_backends._select._selector import _spec_line
 from attn_backends.testing.cases import conformance_cases, refusal_cases
 from attn_backends.testing.suite import run_case
+from tests.spec_support import batch
 
 CPU = ab.detect_platform("cpu")
 LARGEST = 2**31 - 1
@@ -30,14 +31,6 @@ LARGEST = 2**31 - 1
 
 def spec_of(causal: bool = True, dtype: torch.dtype = torch.float32, **kw: object):
     return ab.AttentionSpec(8, 2, 16, dtype, causal, **kw)  # type: ignore[arg-type]
-
-
-def batch(spec: ab.AttentionSpec, lengths: tuple[int, ...], pad: int = 0, seed: int = 0):
-    tokens = sum(lengths)
-    params = ab.FMHAParams.from_lengths(lengths, device="cpu", padded_rows=tokens + pad)
-    gen = torch.Generator().manual_seed(seed)
-    qkv = torch.randn(tokens + pad, spec.qkv_width, generator=gen).to(spec.dtype)
-    return params, qkv
 
 
 # ---- the spec -------------------------------------------------------------------------------
