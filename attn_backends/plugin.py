@@ -22,6 +22,7 @@ from ._model._feature_table import (
     Fp8Support,
     HeadwiseSupport,
     MlaSupport,
+    SinkSupport,
     SoftcapSupport,
     WindowSupport,
 )
@@ -53,6 +54,7 @@ __all__ = [
     "Reason",
     "ReasonCode",
     "RopePass",
+    "SinkSupport",
     "SoftcapSupport",
     "Subcommand",
     "WindowSupport",

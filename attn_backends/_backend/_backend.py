@@ -252,12 +252,17 @@ class PrefillBackend(ABC):
         return prepare_plan(self.name, spec, params, choice, kernel)
 
     def forward(
-        self, qkv: QKVInput, plan: PrefillPlan | GraphPlan, *, fp8_scales: Fp8Scales | None = None
+        self,
+        qkv: QKVInput,
+        plan: PrefillPlan | GraphPlan,
+        *,
+        fp8_scales: Fp8Scales | None = None,
+        sinks: torch.Tensor | None = None,
     ) -> torch.Tensor:
         path = self._forward
         if path is None:
             raise self._unbound()
-        return path.run(qkv, plan, fp8_scales)
+        return path.run(qkv, plan, fp8_scales, sinks)
 
     def accepts_rows(self, rows: torch.Tensor) -> bool:
         """Whether the kernel can read these packed rows in place (e.g. an alignment rule); if

@@ -57,9 +57,16 @@ class NoCachePrefill(Protocol):
         ...
 
     def forward(
-        self, qkv: QKVInput, plan: PrefillPlan, *, fp8_scales: Fp8Scales | None = None
+        self,
+        qkv: QKVInput,
+        plan: PrefillPlan,
+        *,
+        fp8_scales: Fp8Scales | None = None,
+        sinks: torch.Tensor | None = None,
     ) -> torch.Tensor:
-        """Attention over packed QKV: ``[token_q_num, Hq * D]``; no host sync, no cache."""
+        """Attention over packed QKV: ``[token_q_num, Hq * D]``; no host sync, no cache.
+        ``sinks``: the layer's attention-sink logits, float ``[Hq]``, exactly when the spec
+        has ``attention_sinks``."""
         ...
 
 
@@ -80,6 +87,7 @@ class CudaGraphPrefill(NoCachePrefill, Protocol):
         plan: PrefillPlan | GraphPlan,
         *,
         fp8_scales: Fp8Scales | None = None,
+        sinks: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """As `NoCachePrefill.forward`; with a `GraphPlan` the output has the bucket's rows."""
         ...

@@ -145,18 +145,35 @@ def _scores(
     return scores.masked_fill(~_mask(spec, length, heads, device), float("-inf"))
 
 
+def _softmax(scores: torch.Tensor, sinks: torch.Tensor | None) -> torch.Tensor:
+    """Softmax over the keys of ``[heads, L, L]`` scores; with sinks, each head's logit is one
+    more term of the denominator (a column of its own, dropped after the softmax)."""
+    if sinks is None:
+        return torch.softmax(scores, dim=-1)
+    column = sinks[:, None, None].expand(-1, scores.shape[1], 1)
+    return torch.softmax(torch.cat((scores, column), dim=-1), dim=-1)[..., :-1]
+
+
 def reference_attention(
     qkv: torch.Tensor,
     spec: AttentionSpec,
     params: FMHAParams,
     *,
     fp8_scales: Fp8Scales | None = None,
+    sinks: torch.Tensor | None = None,
     compute_device: torch.device | str | None = None,
 ) -> torch.Tensor:
     """``[token_q_num, Hq * D]`` float64 attention of the valid rows of a packed QKV buffer.
 
+    ``sinks``: the layer's attention-sink logits ``[Hq]``, required exactly when the spec has
+    ``attention_sinks``: one more softmax term per head, ``exp(sink)``, with no value.
     Computed on ``compute_device`` (default: the buffer's device; a GPU does float64 too).
     """
+    if spec.attention_sinks != (sinks is not None):
+        raise ValueError(
+            "reference_attention takes sinks exactly when the spec has attention_sinks "
+            f"(attention_sinks={spec.attention_sinks}, sinks given: {sinks is not None})"
+        )
     tokens = params.token_q_num
     device = qkv.device if compute_device is None else torch.device(compute_device)
     x = qkv[:tokens].detach().to(device, torch.float64)
@@ -183,6 +200,7 @@ def reference_attention(
         q = q * factor[:, None, None]
     k = k.repeat_interleave(spec.group_size, dim=1)
     v = v.repeat_interleave(spec.group_size, dim=1)
+    sink = sinks.detach().to(device, torch.float64) if sinks is not None else None
     out = torch.zeros(tokens, hq, d, dtype=torch.float64, device=device)
     start = 0
     for length in params.input_lengths:
@@ -195,7 +213,8 @@ def reference_attention(
             ks = k[start:end, h0 : heads.stop].transpose(0, 1)
             vs = v[start:end, h0 : heads.stop].transpose(0, 1)
             scores = _scores(spec, qs, ks, heads, device)
-            out[start:end, h0 : heads.stop] = (torch.softmax(scores, dim=-1) @ vs).transpose(0, 1)
+            weights = _softmax(scores, None if sink is None else sink[h0 : heads.stop])
+            out[start:end, h0 : heads.stop] = (weights @ vs).transpose(0, 1)
         start = end
     return out.reshape(tokens, hq * d)
 

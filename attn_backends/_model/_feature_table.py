@@ -78,6 +78,8 @@ class LayerFields(Protocol):
     @property
     def chunk_size(self) -> int | None: ...
     @property
+    def attention_sinks(self) -> bool: ...
+    @property
     def is_fp8(self) -> bool: ...
 
 
@@ -143,6 +145,14 @@ class MlaSupport(FeatureSupport):
     """Serves MLA attention (``spec.use_mla``)."""
 
     feature: ClassVar[str] = "mla"
+
+
+@dataclass(frozen=True)
+class SinkSupport(FeatureSupport):
+    """Serves attention sinks (``spec.attention_sinks``): the per-layer logits ``forward``
+    receives as ``sinks`` (``QKVViews.sinks``) join every query's softmax denominator."""
+
+    feature: ClassVar[str] = "attention_sinks"
 
 
 @dataclass(frozen=True)
@@ -913,6 +923,72 @@ class ChunkFeature(Feature[ChunkSupport]):
         return {"chunk_size": 8}
 
 
+class SinkFeature(Feature[SinkSupport]):
+    """Attention sinks (GPT-OSS ``s_aux``): a learned logit per query head in the softmax's
+    denominator, after every mask term (a sink is never masked, so even a query that sees a
+    single key shares its weight with the sink). The logits are per-layer data, handed to
+    ``forward``; the float64 reference takes them the same way
+    (`attn_backends.reference_attention`'s ``sinks``), so there is no mask or score piece here.
+    """
+
+    name = "attention_sinks"
+    code = ReasonCode.SINKS
+    support = SinkSupport
+    title = "attention sinks"
+    field = "attention_sinks"
+
+    def used(self, spec: LayerFields) -> bool:
+        return spec.attention_sinks
+
+    def record(self, spec: LayerFields) -> dict[str, object]:
+        # Listed only when on: every spec without sinks keeps its fingerprint.
+        return {"attention_sinks": True} if spec.attention_sinks else {}
+
+    def explain(self, spec: LayerFields) -> str | None:
+        return "sinks"
+
+    def got(self, spec: LayerFields) -> str:
+        return "True"
+
+    def not_declared(self, spec: LayerFields) -> Reason:
+        return Reason(
+            self.code,
+            "attention sinks not implemented; needs a backend declaring SinkSupport()",
+            "attention_sinks",
+            "True",
+            "False",
+        )
+
+    def cases(
+        self, support: SinkSupport | None, base: LayerFields, masks: Sequence[bool]
+    ) -> list[CaseSketch]:
+        """Sinks on varlen batches of both masks, with MHA, padding rows and strided input,
+        and on single tokens (a query that sees only itself: the sink takes the largest share
+        there)."""
+        out: list[CaseSketch] = []
+        for causal in masks:
+            mask = mask_name(causal)
+            on = {"causal": causal, "attention_sinks": True}
+            out += [
+                CaseSketch(f"{mask}-sinks", on, FEATURE_LENGTHS),
+                CaseSketch(
+                    f"{mask}-sinks-mha-padding-strided",
+                    {**on, "num_kv_heads": base.num_heads},
+                    (9, 4, 13, 2),
+                    padding_rows=3,
+                    form="strided",
+                ),
+                CaseSketch(f"{mask}-sinks-single-tokens", on, (1, 1, 1)),
+            ]
+        return out
+
+    def sample(self, support: SinkSupport, causal: bool) -> dict[str, object] | None:
+        return {"attention_sinks": True}
+
+    def refusal_fields(self, base: LayerFields) -> dict[str, object] | None:
+        return {"attention_sinks": True}
+
+
 MLA = MlaFeature()
 HEADWISE = HeadwiseFeature()
 WINDOW = WindowFeature()
@@ -921,6 +997,7 @@ ALIBI = AlibiFeature()
 FP8 = Fp8Feature()
 ROPE_SCALING = RopeScalingFeature()
 CHUNK = ChunkFeature()
+SINKS = SinkFeature()
 
 FEATURES: tuple[Feature[Any], ...] = (
     MLA,
@@ -931,9 +1008,10 @@ FEATURES: tuple[Feature[Any], ...] = (
     FP8,
     ROPE_SCALING,
     CHUNK,
+    SINKS,
 )
-"""Every feature, in the spec's order of application (the soft-cap before ALiBi) and of
-``explain``."""
+"""Every feature, in the spec's order of application (the soft-cap before ALiBi, the sinks in
+the softmax after every mask term) and of ``explain``."""
 
 
 def feature_named(name: str) -> Feature[Any]:

@@ -24,6 +24,7 @@ class ReasonCode(enum.Enum):
     SOFTCAP = "logit_softcap"
     ALIBI = "alibi"
     CHUNKED = "chunked_attention"
+    SINKS = "attention_sinks"
     LIBRARY_MISSING = "library_missing"
     KV_CACHE_PRESENT = "kv_cache_present"
     DISABLED = "disabled"

@@ -83,6 +83,11 @@ class AttentionSpec:
     """Chunked attention (Llama 4's ``attention_chunk_size``): the query at position ``i`` sees
     key ``j`` only when ``i // chunk_size == j // chunk_size`` (positions restart with every
     sequence), on top of the causal rule and every other mask term. ``None``: no chunks."""
+    attention_sinks: bool = False
+    """GPT-OSS attention sinks: each query head has a learned logit ``s_h`` that joins the
+    softmax's denominator (``exp(s_h)`` beside the visible keys' ``exp(score)``) and contributes
+    no value. The logits are the layer's weights, so they reach ``forward`` per layer
+    (``forward(..., sinks=tensor)``, float ``[Hq]``); the spec only says that they come."""
 
     def __post_init__(self) -> None:
         _positive_int("num_heads", self.num_heads)
@@ -91,6 +96,7 @@ class AttentionSpec:
         check_flag("AttentionSpec.causal", self.causal)
         check_flag("AttentionSpec.use_logn_attn", self.use_logn_attn)
         check_flag("AttentionSpec.use_mla", self.use_mla)
+        check_flag("AttentionSpec.attention_sinks", self.attention_sinks)
         if self.num_heads % self.num_kv_heads:
             raise SpecError(
                 f"num_heads ({self.num_heads}) must be a multiple of num_kv_heads "

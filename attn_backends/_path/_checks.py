@@ -154,6 +154,33 @@ def check_fp8_scales(spec: AttentionSpec, scales: Fp8Scales | None, device: torc
             )
 
 
+def check_sinks(spec: AttentionSpec, sinks: object, device: torch.device) -> None:
+    """The per-layer sink logits against the spec: given exactly when the spec has sinks, a
+    float ``[Hq]`` tensor on the QKV device. Their values are not read (that would be a host
+    sync per layer): a ``-inf`` sink is no sink, as the softmax makes it."""
+    if not spec.attention_sinks:
+        if sinks is not None:
+            raise fail(
+                "sinks for a spec without attention sinks",
+                "sinks=None, or AttentionSpec(attention_sinks=True) for a layer that has them",
+            )
+        return
+    if sinks is None:
+        raise fail(
+            "a spec with attention sinks and no sinks",
+            f"forward(qkv, plan, sinks=<float tensor [{spec.num_heads}]>), the layer's logits",
+        )
+    if not isinstance(sinks, torch.Tensor):
+        raise fail(f"sinks of type {type(sinks).__name__}", "a float tensor of one logit a head")
+    if sinks.shape != (spec.num_heads,) or not sinks.dtype.is_floating_point:
+        raise fail(
+            f"sinks of shape {tuple(sinks.shape)} and dtype {dtype_name(sinks.dtype)}",
+            f"a float tensor of shape ({spec.num_heads},), one logit per query head",
+        )
+    if sinks.device != device:
+        raise fail(f"sinks on {sinks.device} for QKV on {device}", "sinks on the QKV device")
+
+
 def check_writable(t: torch.Tensor) -> None:
     """``t`` may be rotated in place here: no autograd graph, no inference tensor used outside
     inference mode (torch would refuse the in-place write half-way)."""

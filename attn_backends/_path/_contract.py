@@ -37,7 +37,7 @@ from .._model._params import FMHAParams
 from .._model._spec import AttentionSpec
 from ._checks import Fp8Scales as Fp8Scales
 from ._checks import QKVInput as QKVInput
-from ._checks import SeparateQKV, check_writable, fail
+from ._checks import SeparateQKV, check_sinks, check_writable, fail
 from ._checks import check_fp8_scales as check_fp8_scales
 from ._checks import check_packed as check_packed
 from ._checks import unpack_packed as unpack_packed
@@ -118,14 +118,15 @@ class PrefillPlan:
 
 
 class QKVViews:
-    """Q, K, V of the valid rows, ``[tokens, heads, D]`` each, plus the FP8 scales if any.
+    """Q, K, V of the valid rows, ``[tokens, heads, D]`` each, plus the FP8 scales and the
+    layer's attention-sink logits (float ``[Hq]``, checked by the contract) if any.
 
     ``packed`` is the ``[tokens, (Hq + 2*Hkv) * D]`` rows they were cut from, trimmed to the
     valid tokens when first read (kernels on Q/K/V views never pay for it). With separate
     Q/K/V input it is built, a copy, only if a kernel reads it.
     """
 
-    __slots__ = ("_packed", "_rows", "fp8_scales", "k", "q", "v")
+    __slots__ = ("_packed", "_rows", "fp8_scales", "k", "q", "sinks", "v")
 
     def __init__(
         self,
@@ -134,6 +135,7 @@ class QKVViews:
         k: torch.Tensor,
         v: torch.Tensor,
         fp8_scales: Fp8Scales | None = None,
+        sinks: torch.Tensor | None = None,
     ) -> None:
         self._packed = packed
         self._rows: torch.Tensor | None = None
@@ -141,6 +143,7 @@ class QKVViews:
         self.k = k
         self.v = v
         self.fp8_scales = fp8_scales
+        self.sinks = sinks
 
     @property
     def packed(self) -> torch.Tensor:
@@ -277,7 +280,7 @@ class ForwardPath:
     steady state) takes the same steps in as few interpreter steps as they take.
     """
 
-    __slots__ = ("_fp8", "_kernel", "_layout", "_name", "_spec")
+    __slots__ = ("_fp8", "_kernel", "_layout", "_name", "_sinks", "_spec")
 
     def __init__(self, name: str, spec: AttentionSpec, layout: InputLayout, kernel: Kernel) -> None:
         self._name = name
@@ -285,9 +288,14 @@ class ForwardPath:
         self._layout: InputLayout = layout
         self._kernel = kernel
         self._fp8 = spec.is_fp8
+        self._sinks = spec.attention_sinks
 
     def run(
-        self, qkv: QKVInput, plan: AnyPlan, fp8_scales: Fp8Scales | None = None
+        self,
+        qkv: QKVInput,
+        plan: AnyPlan,
+        fp8_scales: Fp8Scales | None = None,
+        sinks: torch.Tensor | None = None,
     ) -> torch.Tensor:
         spec = self._spec
         if not (type(plan) is PrefillPlan or isinstance(plan, GraphPlan)) or (
@@ -314,6 +322,9 @@ class ForwardPath:
         if fp8_scales is not None or self._fp8:
             device = plan.device if isinstance(plan, GraphPlan) else plan.params.device
             check_fp8_scales(spec, fp8_scales, device)
+        if sinks is not None or self._sinks:
+            device = plan.device if isinstance(plan, GraphPlan) else plan.params.device
+            check_sinks(spec, sinks, device)
         if given is None:
             assert packed is not None  # one of the two input forms
             if plan.rotates:
@@ -322,12 +333,13 @@ class ForwardPath:
                 q, k, v = packed.as_strided(
                     geo.heads_size, geo.heads_stride, geo.storage_offset
                 ).split_with_sizes(geo.split, 1)
-                views = QKVViews(packed, q, k, v, None)
+                views = QKVViews(packed, q, k, v, None, sinks)
             else:
                 rows, q, k, v = cut(packed, geo)
-                views = QKVViews(rows, q, k, v, fp8_scales)
+                views = QKVViews(rows, q, k, v, fp8_scales, sinks)
         else:
             views = self._separate_views(given, plan, geo, fp8_scales)
+            views.sinks = sinks
         try:
             out = self._kernel.attend(views, plan)
         except Exception as exc:

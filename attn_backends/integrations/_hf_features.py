@@ -13,8 +13,12 @@ model has already applied RoPE, so only the score-side features arrive here:
   causal layer gets ``left = W - 1, right = 0`` and a bidirectional one ``W - 1`` both ways.
 - ``softcap=C`` (Gemma 2's ``attn_logit_softcapping``): ``C * tanh(scaled scores / C)``, which
   is the spec's ``logit_softcap``.
-- ``s_aux`` (attention sinks) and ``position_bias`` (a learned bias tensor) have no spec field
-  and are refused by name.
+- ``s_aux`` (attention sinks: GPT-OSS, Granite SWA, Flint, ...): a float ``[Hq]`` tensor of
+  per-head logits that every one of those families adds to the softmax's denominator (a
+  concatenated column dropped after the softmax, or the same through ``sigmoid(lse - s)``).
+  That is the spec's ``attention_sinks``; the tensor itself goes to ``forward`` per layer
+  (`sinks_from_hf`), and a backend without sinks refuses the spec by name.
+- ``position_bias`` (a learned bias tensor) has no spec field and is refused by name.
 
 ALiBi never arrives here: BLOOM and MPT compute their attention inside their own modules
 without transformers' attention-function registry, so no registered function sees them.
@@ -41,10 +45,9 @@ import torch
 from .._model._errors import FeatureNotSupportedError, IntegrationError
 from .._model._features import SlidingWindow
 
-__all__ = ["chunk_from_hf", "hf_features", "window_from_hf"]
+__all__ = ["chunk_from_hf", "hf_features", "sinks_from_hf", "window_from_hf"]
 
 _REFUSED = {
-    "s_aux": "s_aux (attention sinks)",
     "position_bias": "position_bias (a learned attention bias)",
 }
 
@@ -59,8 +62,9 @@ def window_from_hf(sliding_window: int, *, causal: bool) -> SlidingWindow:
 def hf_features(
     module: torch.nn.Module, kwargs: Mapping[str, Any], *, causal: bool
 ) -> dict[str, object]:
-    """`AttentionSpec` fields (``window``, ``logit_softcap``) for one attention call of
-    ``module``; features without a spec field are refused with `FeatureNotSupportedError`."""
+    """`AttentionSpec` fields (``window``, ``logit_softcap``, ``attention_sinks``) for one
+    attention call of ``module``; features without a spec field are refused with
+    `FeatureNotSupportedError`."""
     name = type(module).__name__
     for key, feature in _REFUSED.items():
         if kwargs.get(key) is not None:
@@ -85,7 +89,31 @@ def hf_features(
                 "config's attn_logit_softcapping"
             )
         fields["logit_softcap"] = float(cap)
+    if kwargs.get("s_aux") is not None:
+        fields["attention_sinks"] = True
     return fields
+
+
+def sinks_from_hf(
+    module: torch.nn.Module, kwargs: Mapping[str, Any], num_heads: int
+) -> torch.Tensor | None:
+    """The layer's sink logits from ``s_aux``, checked to be what every family passes: a
+    float tensor of one logit per query head of this call (None: the layer has none)."""
+    sinks = kwargs.get("s_aux")
+    if sinks is None:
+        return None
+    if (
+        not isinstance(sinks, torch.Tensor)
+        or not sinks.dtype.is_floating_point
+        or tuple(sinks.shape) != (num_heads,)
+    ):
+        shape = tuple(sinks.shape) if isinstance(sinks, torch.Tensor) else None
+        raise IntegrationError(
+            f"{type(module).__name__} passed s_aux={_short(sinks)} (shape {shape}); "
+            f"attn_backends reads it as transformers' models do, a float tensor of "
+            f"{num_heads} logits, one per query head of the call"
+        )
+    return sinks
 
 
 def _short(value: object) -> str:

@@ -32,7 +32,7 @@ from .._model._errors import IntegrationError
 from .._model._params import FMHAParams
 from .._model._spec import AttentionSpec
 from .._select._selector import select
-from . import _hf_mask, _registered
+from . import _hf_features, _hf_mask, _registered
 from ._packed import check_served
 from .transformers import _refuse_unsupported_call, _spec_for
 
@@ -62,9 +62,16 @@ def _dense(x: torch.Tensor) -> torch.Tensor:
 
 
 @torch.library.custom_op("attn_backends::prefill", mutates_args=())
-def prefill(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, handle: int) -> torch.Tensor:
+def prefill(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    handle: int,
+    sinks: torch.Tensor | None = None,
+) -> torch.Tensor:
     """Varlen prefill attention of ``[tokens, H, D]`` rows on the plan prepared for
-    ``handle`` (outside the compiled region, by `CompileReady.batch`)."""
+    ``handle`` (outside the compiled region, by `CompileReady.batch`); ``sinks``: the layer's
+    attention-sink logits (transformers' ``s_aux``), checked by the contract."""
     found = _table.get(handle)
     if found is None:
         raise IntegrationError(
@@ -77,12 +84,18 @@ def prefill(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, handle: int) -> t
             f"the model attends {q.shape[0]} tokens but ready.batch prepared plans for "
             f"{tokens}: pass the cu_seq_lens of the batch the model is called with"
         )
-    out = backend.forward((_dense(q), _dense(k), _dense(v)), plan)
+    out = backend.forward((_dense(q), _dense(k), _dense(v)), plan, sinks=sinks)
     return out  # type: ignore[no-any-return]
 
 
 @prefill.register_fake
-def _prefill_fake(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, handle: int) -> torch.Tensor:
+def _prefill_fake(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    handle: int,
+    sinks: torch.Tensor | None = None,
+) -> torch.Tensor:
     return q.new_empty(q.shape)
 
 
@@ -108,7 +121,8 @@ def _attention(inner: Any) -> Any:
                     "a batch that runs every attention layer of the model"
                 )
             seq, heads, head_dim = query.shape[2], query.shape[1], query.shape[3]
-            out = prefill(_rows(query), _rows(key), _rows(value), handle)
+            sinks = _hf_features.sinks_from_hf(module, kwargs, heads)
+            out = prefill(_rows(query), _rows(key), _rows(value), handle, sinks)
             return out.view(1, seq, heads, head_dim), None
         if _learning:
             ready = _learning[-1]

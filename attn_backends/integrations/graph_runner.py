@@ -444,8 +444,9 @@ class GraphRunner:
         _refuse_unsupported_call(module, query, key, value, dropout, kwargs)
         spec = _spec_for(module, query, key, scaling, is_causal, kwargs)
         backend, plan, qkv = self._plan(state, spec)
+        sinks = _hf_features.sinks_from_hf(module, kwargs, spec.num_heads)
         if qkv is None:
-            out = backend.forward((_rows(query), _rows(key), _rows(value)), plan)
+            out = backend.forward((_rows(query), _rows(key), _rows(value)), plan, sinks=sinks)
         else:
             rows, q_width, kv_width = qkv.shape[0], spec.q_width, spec.kv_width
             qkv[:, :q_width].view(rows, spec.num_heads, spec.head_dim).copy_(
@@ -454,6 +455,6 @@ class GraphRunner:
             for start, x in ((q_width, key), (q_width + kv_width, value)):
                 part = qkv[:, start : start + kv_width]
                 part.view(rows, spec.num_kv_heads, spec.head_dim).copy_(x[0].transpose(0, 1))
-            out = backend.forward(qkv, plan)
+            out = backend.forward(qkv, plan, sinks=sinks)
         seq = query.shape[2]
         return out.view(1, seq, spec.num_heads, spec.head_dim), None

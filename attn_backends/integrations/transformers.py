@@ -542,6 +542,7 @@ def attention_forward(
     out = selection.backend.forward(
         (q_rows, _token_rows(key, layout), _token_rows(value, layout)),
         plan,  # type: ignore[arg-type]
+        sinks=_hf_features.sinks_from_hf(module, kwargs, spec.num_heads),
     )
     heads = spec.num_heads
     if layout.cells is None:

@@ -60,6 +60,8 @@ class PreparedInput:
     pristine: torch.Tensor
     backing: torch.Tensor
     backing_pristine: torch.Tensor
+    sinks: torch.Tensor | None = None
+    """The layer's attention-sink logits, float32 ``[Hq]``, when the spec has sinks."""
 
     def current(self) -> torch.Tensor:
         """The packed rows as they are now: the buffer itself, or the separate tensors side
@@ -97,7 +99,12 @@ def make_qkv(case: ConformanceCase, device: torch.device | str, seed: int) -> Pr
                 t.view(t.shape[0], h, spec.head_dim) for t, h in zip(parts, heads, strict=True)
             ]
         qkv = (parts[0], parts[1], parts[2])
-    return PreparedInput(qkv, packed, packed.clone(), backing, backing.clone())
+    sinks = None
+    if spec.attention_sinks:
+        # Around the scores' own scale (lse of a few keys is ~1..4), so a sink takes a share
+        # from a fraction to most of the weight, depending on the head and the sequence.
+        sinks = (torch.randn(spec.num_heads, generator=gen) * 2.0 + 1.0).to(device)
+    return PreparedInput(qkv, packed, packed.clone(), backing, backing.clone(), sinks)
 
 
 def batch_of(
@@ -134,12 +141,12 @@ def run_case(
             f"{'fused RoPE' if case.expect_fused else 'the separate pass'}, plan has "
             f"preprocess={plan.preprocess}"
         )
-    out = sel.backend.forward(data.qkv, plan)
+    out = sel.backend.forward(data.qkv, plan, sinks=data.sinks)
     tokens = params.token_q_num
     assert tuple(out.shape) == (tokens, spec.q_width)
     assert out.dtype == spec.output_dtype
     assert out.device == data.packed.device
-    ref = reference_attention(data.pristine, spec, params)
+    ref = reference_attention(data.pristine, spec, params, sinks=data.sinks)
     err = relative_error(out, ref)
     assert err < TOLERANCE[spec.dtype], f"relative error {err:.3g} >= {TOLERANCE[spec.dtype]}"
     _check_untouched(spec, data, tokens, is_separate(plan.preprocess))

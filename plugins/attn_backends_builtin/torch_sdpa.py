@@ -9,6 +9,12 @@ Sliding windows, chunks and ALiBi become one explicit mask per distinct sequence
 elementwise definition flex runs (`_masks.dense_mask`): boolean ``[L, L]`` for a window or chunks,
 additive ``[H, L, L]`` with ALiBi. Soft-capping acts between the two matmuls inside SDPA and cannot
 be expressed, so it is not declared.
+
+Attention sinks are one more key per sequence: K and V gain a zero row and the mask a column
+holding each head's sink logit, so SDPA's softmax has exactly the sink's extra denominator term
+and the zero value adds nothing. That run is computed in float32 (the mask column keeps the
+logit unrounded; a 16-bit mask would round it to 8 bits) from a float32 additive mask per
+length built in ``prepare``; it copies Q/K/V per layer, which the reference backend may.
 """
 
 from __future__ import annotations
@@ -27,6 +33,7 @@ from attn_backends.plugin import (
     PrefillBackend,
     PriorityRule,
     QKVViews,
+    SinkSupport,
     WindowSupport,
     hookimpl,
 )
@@ -63,7 +70,8 @@ class SdpaPlan:
 
     runs: tuple[_Run, ...]
     masks: dict[int, torch.Tensor]
-    """Length -> mask for SDPA's ``attn_mask``; empty when ``is_causal`` says it all."""
+    """Length -> mask for SDPA's ``attn_mask``; empty when ``is_causal`` says it all. With
+    sinks: float32 additive ``[H or 1, L, L]`` for every length (0 visible, -inf hidden)."""
 
 
 class TorchSdpaBackend(PrefillBackend):
@@ -71,7 +79,7 @@ class TorchSdpaBackend(PrefillBackend):
     capabilities = Capabilities(
         platforms=frozenset({"cpu", "cuda", "rocm"}),
         dtypes=frozenset({torch.float32, torch.float16, torch.bfloat16}),
-        features=(WindowSupport(), AlibiSupport(), ChunkSupport()),
+        features=(WindowSupport(), AlibiSupport(), ChunkSupport(), SinkSupport()),
         priority=(
             PriorityRule("cpu", 100, note="default on CPU"),
             PriorityRule("cuda", 0, note="last resort"),
@@ -82,7 +90,10 @@ class TorchSdpaBackend(PrefillBackend):
     def plan_kernel(self, spec: AttentionSpec, params: FMHAParams, *, fused_rope: bool) -> SdpaPlan:
         runs = _runs(params.input_lengths)
         masks: dict[int, torch.Tensor] = {}
-        if spec.window is not None or spec.chunk_size is not None or spec.alibi is not None:
+        if spec.attention_sinks:
+            for length in sorted({run.length for run in runs}):
+                masks[length] = _additive_mask(spec, length, params.device)
+        elif spec.window is not None or spec.chunk_size is not None or spec.alibi is not None:
             for length in sorted({run.length for run in runs}):
                 masks[length] = dense_mask(spec, length, params.device)
         return SdpaPlan(runs, masks)
@@ -98,17 +109,61 @@ class TorchSdpaBackend(PrefillBackend):
             mask = kernel.masks.get(run.length)
             rows = slice(run.start, run.start + run.count * run.length)
             n, length = run.count, run.length
-            result = F.scaled_dot_product_attention(
-                q[rows].view(n, length, *q.shape[1:]).transpose(1, 2),
-                k[rows].view(n, length, *k.shape[1:]).transpose(1, 2),
-                v[rows].view(n, length, *v.shape[1:]).transpose(1, 2),
-                attn_mask=mask,
-                is_causal=spec.causal and mask is None,
-                scale=spec.scale,
-                enable_gqa=spec.is_gqa,
-            )
+            qs = q[rows].view(n, length, *q.shape[1:]).transpose(1, 2)
+            ks = k[rows].view(n, length, *k.shape[1:]).transpose(1, 2)
+            vs = v[rows].view(n, length, *v.shape[1:]).transpose(1, 2)
+            if views.sinks is not None:
+                assert mask is not None  # built for every length of a spec with sinks
+                result = _attend_with_sinks(spec, qs, ks, vs, mask, views.sinks)
+            else:
+                result = F.scaled_dot_product_attention(
+                    qs,
+                    ks,
+                    vs,
+                    attn_mask=mask,
+                    is_causal=spec.causal and mask is None,
+                    scale=spec.scale,
+                    enable_gqa=spec.is_gqa,
+                )
             out[rows].view(n, length, *out.shape[1:]).copy_(result.transpose(1, 2))
         return out
+
+
+def _additive_mask(spec: AttentionSpec, length: int, device: torch.device) -> torch.Tensor:
+    """float32 additive ``[H or 1, L, L]`` of one sequence: 0 where visible (plus the ALiBi
+    bias), -inf where hidden; the same `dense_mask` terms, or the causal rule alone."""
+    if spec.window is not None or spec.chunk_size is not None or spec.alibi is not None:
+        mask = dense_mask(spec, length, device)
+    else:
+        idx = torch.arange(length, device=device)
+        mask = idx[None, :] <= idx[:, None] if spec.causal else idx[None, :] >= 0
+    if mask.dtype == torch.bool:
+        zeros = torch.zeros(mask.shape, dtype=torch.float32, device=device)
+        mask = zeros.masked_fill(~mask, float("-inf"))
+    mask = mask.float()
+    return mask if mask.dim() == 3 else mask[None]
+
+
+def _attend_with_sinks(
+    spec: AttentionSpec,
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    mask: torch.Tensor,
+    sinks: torch.Tensor,
+) -> torch.Tensor:
+    """``[n, Hq, L, D]`` attention with one sink key per sequence (see the module), float32."""
+    n, heads, length, _ = q.shape
+    f32 = torch.float32
+    zero = k.new_zeros(n, k.shape[1], 1, k.shape[3], dtype=f32)
+    k = torch.cat((k.to(f32), zero), dim=2)
+    v = torch.cat((v.to(f32), zero), dim=2)
+    column = sinks.to(f32)[:, None, None].expand(heads, length, 1)
+    bias = torch.cat((mask.expand(heads, length, length), column), dim=-1)
+    out = F.scaled_dot_product_attention(
+        q.to(f32), k, v, attn_mask=bias, scale=spec.scale, enable_gqa=spec.is_gqa
+    )
+    return out.to(spec.output_dtype)
 
 
 @hookimpl

@@ -4,9 +4,9 @@
 #     . scripts/gpu/setup.sh && python3 scripts/gpu/prebuild.py   # once per machine
 #     scripts/gpu/conformance.sh OUT_DIR [RUN...]
 #
-# RUN names default to every run: headwise flex torch-sdpa flashinfer flashinfer-rope trt gpu-tests.
-# Runs `pytest --attn-backend NAME` on cuda for torch-sdpa, flashinfer, flashinfer-rope, trt,
-# headwise and flex, then the GPU tests of tests/gpu/test_nvidia_gpu.py and the check of the fake
+# RUN names default to every run: headwise flex torch-sdpa flashinfer flashinfer-rope trt
+# torch-varlen fa4 gpu-tests. Runs `pytest --attn-backend NAME` on cuda for torch-sdpa,
+# flashinfer, flashinfer-rope, trt, torch-varlen, fa4, headwise and flex, then the GPU tests of tests/gpu/test_nvidia_gpu.py and the check of the fake
 # flashinfer's signatures against the installed one. Writes OUT_DIR/<run>.xml, <run>.log and
 # OUT_DIR/summary.txt (passed / skipped with reasons / failed per run) and prints the summary.
 # RUN_TIMEOUT=S stops any single run after S seconds (rc=124 in the summary; default: none).
@@ -15,7 +15,7 @@
 set -u
 out=${1:?usage: scripts/gpu/conformance.sh OUT_DIR [RUN...]}
 shift
-runs=" ${*:-headwise flex torch-sdpa flashinfer flashinfer-rope trt gpu-tests} "
+runs=" ${*:-headwise flex torch-sdpa flashinfer flashinfer-rope trt torch-varlen fa4 gpu-tests} "
 wanted() { [[ $runs == *" $1 "* ]]; }
 mkdir -p "$out"
 
@@ -38,7 +38,7 @@ flex_runs() {
 }
 flex_runs &
 flex_pid=$!
-for backend in torch-sdpa flashinfer flashinfer-rope trt; do
+for backend in torch-sdpa flashinfer flashinfer-rope trt torch-varlen fa4; do
     wanted "$backend" && run "$backend" --attn-backend "$backend" --attn-device cuda
 done
 if wanted gpu-tests; then

@@ -12,8 +12,9 @@
 # machine, until it prints "pipeline: finished". A finished pipeline is not started again; remove
 # build/gpu-run to start over. PIPELINE=features runs scripts/gpu/features_pipeline.sh (the model
 # features and whole models), PIPELINE=round scripts/gpu/round_pipeline.sh (the boundary,
-# core and serving verification) and PIPELINE=followup scripts/gpu/followup_pipeline.sh (what
-# the round left undone) instead of scripts/gpu/pipeline.sh.
+# core and serving verification), PIPELINE=followup scripts/gpu/followup_pipeline.sh (what
+# the round left undone) and PIPELINE=backends scripts/gpu/backends_pipeline.sh (torch-varlen,
+# fa4 and attention sinks) instead of scripts/gpu/pipeline.sh.
 set -u
 out=${1:?usage: scripts/gpu/verify.sh OUT_DIR [WAIT_S]}
 wait_s=${2:-540}
@@ -22,8 +23,10 @@ case ${PIPELINE:-full} in
     features) script=scripts/gpu/features_pipeline.sh ;;
     round) script=scripts/gpu/round_pipeline.sh ;;
     followup) script=scripts/gpu/followup_pipeline.sh ;;
+    backends) script=scripts/gpu/backends_pipeline.sh ;;
     *)
-        echo "verify.sh: PIPELINE must be full, features, round or followup, not '$PIPELINE'" >&2
+        echo "verify.sh: PIPELINE must be full, features, round, followup or backends, not" \
+            "'$PIPELINE'" >&2
         exit 2
         ;;
 esac

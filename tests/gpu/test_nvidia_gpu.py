@@ -1,6 +1,7 @@
 """What the conformance suite does not check on an NVIDIA GPU: ``forward`` allocates only its
 output and never syncs the host, the kernel flashinfer really runs, batches longer than the
-suite's, and headwise's compiled block mask.
+suite's, headwise's compiled block mask, and torch-varlen (torch's own flash kernel) on long
+batches with windows and on what it allocates.
 
 Every shape here uses a flashinfer JIT module that scripts/gpu/prebuild.py builds (bf16/fp16,
 head dims 64 and 128), so nothing compiles for minutes inside a test.
@@ -12,6 +13,7 @@ import pytest
 import torch
 from attn_backends_builtin import _flex_kernel, headwise
 from attn_backends_builtin.flashinfer import FlashinferRopeBackend, RaggedPlan
+from attn_backends_builtin.torch_varlen import VarlenCall
 
 import attn_backends as ab
 
@@ -23,6 +25,7 @@ SPECS = {
     "flashinfer-rope": ab.AttentionSpec(16, 8, 128, torch.bfloat16, True, rope=ab.RopeSpec(1e6)),
     "trt": ab.AttentionSpec(12, 12, 64, torch.bfloat16, causal=False),
     "headwise": ab.AttentionSpec(8, 2, 128, torch.bfloat16, True, headwise=HW),
+    "torch-varlen": ab.AttentionSpec(16, 8, 128, torch.bfloat16, causal=True),
 }
 LENGTHS = (300, 77, 1, 512, 40)
 
@@ -73,7 +76,9 @@ def test_forward_allocates_only_the_output(name):
     _check(out, qkv, spec, params)
 
 
-@pytest.mark.parametrize("name", ["flashinfer", "flashinfer-rope", "trt", "headwise"])
+@pytest.mark.parametrize(
+    "name", ["flashinfer", "flashinfer-rope", "trt", "headwise", "torch-varlen"]
+)
 def test_forward_does_not_sync_the_host(name):
     spec, backend, params, plan, qkv = _ready(name)
     buf = qkv.clone()
@@ -196,3 +201,67 @@ def test_separate_qkv_allocates_only_the_output_and_never_syncs(name):
     _check(out, qkv, spec, params)
     assert grown == nbytes, f"kept {grown} bytes, the output is {nbytes}"
     assert peak == nbytes, f"peak {peak} bytes during forward, the output is {nbytes}"
+
+
+def _strided_batch(spec: ab.AttentionSpec, lengths: tuple[int, ...], seed: int, pad: int = 5):
+    """Packed rows as a column slice of a wider buffer (row stride past the QKV width, 16-byte
+    aligned), with ``pad`` padding rows."""
+    tokens = sum(lengths)
+    params = ab.FMHAParams.from_lengths(lengths, device="cuda", padded_rows=tokens + pad)
+    gen = torch.Generator(device="cuda").manual_seed(seed)
+    wide = torch.randn(tokens + pad, spec.qkv_width + 16, device="cuda", generator=gen)
+    return params, wide.to(spec.dtype)[:, 8 : 8 + spec.qkv_width]
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize(
+    ("heads", "dim", "causal", "window"),
+    [
+        ((16, 8), 128, True, None),
+        ((12, 12), 64, False, None),
+        ((8, 2), 96, False, ab.SlidingWindow(64, 64)),
+        ((8, 2), 256, True, ab.SlidingWindow.causal(128)),
+        ((16, 16), 80, False, ab.SlidingWindow(0, 31)),
+        ((8, 1), 128, False, ab.SlidingWindow(2**31 - 1, 5)),
+    ],
+    ids=["gqa-causal", "mha-bidir", "window-both", "window-causal", "window-right", "widest"],
+)
+@pytest.mark.parametrize(
+    "lengths", [(1500, 77, 1, 512, 40), (1,), (1, 0, 1, 1)], ids=["long", "one", "ones"]
+)
+def test_torch_varlen_numbers(heads, dim, causal, window, lengths, dtype):
+    """torch's flash kernel on strided views against the float64 reference: varlen batches
+    longer than the suite's (many tiles), single-token batches (the kernel's own GQA path for
+    one query per sequence), padding rows, windows both sides, GQA (native or expanded)."""
+    spec = ab.AttentionSpec(heads[0], heads[1], dim, dtype, causal, window=window)
+    sel = ab.select(spec, backend="torch-varlen", device="cuda")
+    params, qkv = _strided_batch(spec, lengths, seed=3)
+    pristine = qkv.clone()
+    out = sel.backend.forward(qkv, sel.backend.prepare(params))
+    _check(out, pristine, spec, params)
+    assert torch.equal(qkv, pristine), "the input was written"
+
+
+def test_torch_varlen_allocates_the_output_and_the_kernel_scratch_only():
+    """Kept: the output only. Peak: the output, the kernel's float32 log-sum-exp and its two
+    rng-state tensors, plus a copy of K and V where this torch's varlen_attn has no
+    enable_gqa (the decision record says so)."""
+    spec, backend, params, plan, qkv = _ready("torch-varlen")
+    call = backend.binding.variant
+    assert isinstance(call, VarlenCall)
+    buf = qkv.clone()
+    torch.cuda.synchronize()
+    before = torch.cuda.memory_stats()["requested_bytes.all.current"]
+    torch.cuda.reset_peak_memory_stats()
+    out = backend.forward(buf, plan)
+    torch.cuda.synchronize()
+    stats = torch.cuda.memory_stats()
+    grown = stats["requested_bytes.all.current"] - before
+    peak = stats["requested_bytes.all.peak"] - before
+    tokens = params.token_q_num
+    nbytes = tokens * spec.q_width * out.element_size()
+    lse = spec.num_heads * tokens * 4
+    expanded = 2 * nbytes if call.kv_repeat > 1 else 0
+    assert grown == nbytes, f"kept {grown} bytes, the output is {nbytes}"
+    assert nbytes + lse <= peak <= nbytes + lse + expanded + 64, (peak, nbytes, lse, expanded)
+    _check(out, qkv, spec, params)
