@@ -36,6 +36,11 @@ timeout 240 python3 -m pytest -q -s -p no:cacheprovider -rfEs tests/gpu/test_sin
 step "gpu sinks rc=$? $(tail -1 "$run_dir/gpu-sinks.log")"
 grep -E "against fp32 eager|SKIPPED|FAILED" "$run_dir/gpu-sinks.log"
 
+step "2b. GPU tests of torch-varlen and fa4 (numbers on long batches, no host sync, allocations)"
+timeout 240 python3 -m pytest -q -p no:cacheprovider -rfE -k "varlen or fa4" \
+    tests/gpu/test_nvidia_gpu.py >"$run_dir/gpu-nvidia.log" 2>&1
+step "gpu nvidia rc=$? $(tail -1 "$run_dir/gpu-nvidia.log")"
+
 step "3. TFLOP/s and host µs: varlen batches, then the FA3 grid"
 timeout 420 python3 benchmarks/attention_tflops.py --out "$run_dir/tflops" \
     >"$run_dir/tflops.log" 2>&1

@@ -26,6 +26,7 @@ SPECS = {
     "trt": ab.AttentionSpec(12, 12, 64, torch.bfloat16, causal=False),
     "headwise": ab.AttentionSpec(8, 2, 128, torch.bfloat16, True, headwise=HW),
     "torch-varlen": ab.AttentionSpec(16, 8, 128, torch.bfloat16, causal=True),
+    "fa4": ab.AttentionSpec(16, 8, 128, torch.bfloat16, causal=True),
 }
 LENGTHS = (300, 77, 1, 512, 40)
 
@@ -77,7 +78,7 @@ def test_forward_allocates_only_the_output(name):
 
 
 @pytest.mark.parametrize(
-    "name", ["flashinfer", "flashinfer-rope", "trt", "headwise", "torch-varlen"]
+    "name", ["flashinfer", "flashinfer-rope", "trt", "headwise", "torch-varlen", "fa4"]
 )
 def test_forward_does_not_sync_the_host(name):
     spec, backend, params, plan, qkv = _ready(name)
