@@ -66,4 +66,6 @@ done
 [ -f "$run_dir/finished" ] && echo "pipeline: finished" || echo "pipeline: still running"
 echo "--- pipeline.log"; tail -40 "$run_dir/pipeline.log"
 [ -f "$run_dir/prebuild.log" ] && { echo "--- prebuild.log"; tail -4 "$run_dir/prebuild.log"; }
-[ -f "$run_dir/conformance/times.txt" ] && { echo "--- conformance"; cat "$run_dir/conformance/times.txt"; }
+for times in "$run_dir"/conformance*/times.txt; do
+    [ -f "$times" ] && { echo "--- $(dirname "$times")"; cat "$times"; }
+done
