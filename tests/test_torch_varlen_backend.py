@@ -27,6 +27,7 @@ from attn_backends_builtin.torch_varlen import (
 import attn_backends as ab
 import attn_backends.plugin as abp
 from attn_backends.testing import NoCachePrefillConformance
+from tests.backend_support import check_numbers, packed_input, reason_codes, spec_of
 from tests.fakes.fake_torch_varlen import SIGNATURES, FakeVarlen
 
 SM90 = ab.Platform(kind="cuda", arch="sm90")
@@ -34,35 +35,14 @@ CPU = ab.detect_platform("cpu")
 LENGTHS = (5, 0, 17, 1, 9)
 MAX_WINDOW = 2**31 - 1
 CAPS = TorchVarlenBackend.capabilities
-CURRENT = probe_signature(SIGNATURES["2.13"])
-TORCH_2_11 = probe_signature(SIGNATURES["2.11"])
-
-
-def spec_of(
-    dtype: torch.dtype = torch.bfloat16,
-    heads: tuple[int, int] = (8, 2),
-    dim: int = 128,
-    causal: bool = True,
-    **kw: object,
-) -> ab.AttentionSpec:
-    return ab.AttentionSpec(heads[0], heads[1], dim, dtype, causal, **kw)  # type: ignore[arg-type]
 
 
 def codes(spec: ab.AttentionSpec, platform: ab.Platform | str = "cuda:sm90") -> set[ab.ReasonCode]:
-    where = ab.parse_platform(platform) if isinstance(platform, str) else platform
-    return {r.code for r in TorchVarlenBackend().supports(spec, where)}
+    return reason_codes(TorchVarlenBackend(), spec, platform)
 
 
-def packed_input(
-    spec: ab.AttentionSpec, lengths: tuple[int, ...], pad: int = 3, extra: int = 0, seed: int = 0
-) -> tuple[ab.FMHAParams, torch.Tensor]:
-    """Random packed rows with ``pad`` padding rows; with ``extra`` columns on each side the
-    rows are a strided column slice of a wider buffer."""
-    tokens = sum(lengths)
-    params = ab.FMHAParams.from_lengths(lengths, device="cpu", padded_rows=tokens + pad)
-    gen = torch.Generator().manual_seed(seed)
-    wide = torch.randn(tokens + pad, spec.qkv_width + 2 * extra, generator=gen).to(spec.dtype)
-    return params, wide[:, extra : extra + spec.qkv_width]
+CURRENT = probe_signature(SIGNATURES["2.13"])
+TORCH_2_11 = probe_signature(SIGNATURES["2.11"])
 
 
 @pytest.fixture(autouse=True)
@@ -385,12 +365,6 @@ def test_winner(registry, spec, winner, platform):
 
 
 # Numbers, through the CPU stand-in for varlen_attn.
-
-
-def check_numbers(out, pristine, spec, params) -> None:
-    ref = ab.reference_attention(pristine, spec, params)
-    err = ab.relative_error(out, ref)
-    assert err < ab.TOLERANCE[spec.dtype], f"relative error {err:.3g}"
 
 
 @pytest.mark.parametrize("release", ["2.13", "2.11"])
