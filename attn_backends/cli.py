@@ -83,14 +83,14 @@ def _add_spec_args(parser: CommandParser) -> None:
         "and the fields not given keep the preset's value",
     )
     g.add_argument("--preset", choices=sorted(PRESETS), help="start from a model's spec")
-    g.add_argument("--heads", type=_cli_args.positive_int, metavar="N", help="query heads")
+    g.add_argument("--heads", type=_cli_args.heads, metavar="N", help="query heads")
     g.add_argument(
         "--kv-heads",
-        type=_cli_args.positive_int,
+        type=_cli_args.heads,
         metavar="N",
         help="KV heads, dividing --heads (default: the preset's, else --heads)",
     )
-    g.add_argument("--head-dim", type=_cli_args.positive_int, metavar="N", help="head dim")
+    g.add_argument("--head-dim", type=_cli_args.head_dim, metavar="N", help="head dim")
     g.add_argument(
         "--dtype", type=_cli_args.dtype, help="fp16, bf16, fp32, fp8 ... (default: bf16)"
     )

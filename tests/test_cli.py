@@ -232,6 +232,18 @@ MISTAKES = {
     "heads-zero": (["explain", "--heads", "0", "--head-dim", "64"], ["--heads", "> 0", "0"]),
     "heads-text": (["explain", "--heads", "x", "--head-dim", "64"], ["--heads", "integer", "'x'"]),
     "head-dim-negative": (["explain", "--heads", "8", "--head-dim", "-64"], ["--head-dim"]),
+    "heads-huge": (
+        ["check", "--heads", "100000000000000000000000", "--head-dim", "64"],
+        ["--heads", "from 1 to 1024", "100000000000000000000000"],
+    ),
+    "kv-heads-huge": (
+        ["check", "--heads", "8", "--kv-heads", "2048", "--head-dim", "64"],
+        ["--kv-heads", "from 1 to 1024"],
+    ),
+    "head-dim-huge": (
+        ["check", "--heads", "2", "--head-dim", "65536"],
+        ["--head-dim", "from 1 to 1024", "65536"],
+    ),
     "kv-heads": (
         ["explain", "--heads", "8", "--kv-heads", "3", "--head-dim", "64"],
         ["--heads 8", "--kv-heads 3", "dividing 8"],

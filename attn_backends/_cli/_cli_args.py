@@ -77,6 +77,29 @@ def positive_int(text: str) -> int:
     return value
 
 
+MAX_HEADS = 1024
+"""Largest ``--heads``/``--kv-heads``: 8x the most heads of any released model (128)."""
+MAX_HEAD_DIM = 1024
+"""Largest ``--head-dim``: above every released model's (576, MLA's query/key dim)."""
+
+
+def heads(text: str) -> int:
+    """A head count, bounded so that a typo cannot ask the canary for an impossible buffer."""
+    return _at_most(positive_int(text), MAX_HEADS, "heads")
+
+
+def head_dim(text: str) -> int:
+    return _at_most(positive_int(text), MAX_HEAD_DIM, "a head dim")
+
+
+def _at_most(value: int, limit: int, what: str) -> int:
+    if value > limit:
+        raise argparse.ArgumentTypeError(
+            f"expected {what} from 1 to {limit} (a real model's are far smaller), got {value}"
+        )
+    return value
+
+
 def non_negative_int(text: str) -> int:
     value = _integer(text)
     if value < 0:
