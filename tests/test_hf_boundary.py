@@ -344,6 +344,22 @@ def test_case6_unpack_hidden_validates_its_bounds(bounds, tokens):
         abt.unpack_hidden(torch.zeros(1, tokens, 4), cu)
 
 
+@pytest.mark.parametrize(
+    ("cu", "match"),
+    [
+        (torch.tensor([0.0, 2.7, 5.0]), "integer tensor"),  # int() would truncate 2.7 to 2
+        (torch.tensor([0, 3, 5], dtype=torch.int32, device="meta"), "meta device"),
+        (torch.tensor([[0, 3, 5]], dtype=torch.int32), "1-D"),
+        (torch.tensor([True, False]), "integer tensor"),
+    ],
+    ids=["float", "meta", "2-d", "bool"],
+)
+def test_case6_cu_seq_lens_of_another_dtype_or_device_are_refused_by_name(cu, match):
+    q = torch.randn(1, 2, 5, 16, generator=torch.Generator().manual_seed(1))
+    with pytest.raises(ab.IntegrationError, match=match):
+        abt.attention_forward(torch.nn.Module(), q, q, q, None, cu_seq_lens_q=cu)
+
+
 def test_case6_one_packed_sequence_unpacks_through_the_model():
     """One sequence has no boundary to cross: its packed output unpacks, with the model's own
     numbers, although no attention layer marked its bounds as read."""

@@ -89,8 +89,23 @@ def from_padding_mask(mask: torch.Tensor) -> BatchLayout:
 
 def from_cu_seqlens(cu_seqlens: torch.Tensor, batch: int, seq: int) -> BatchLayout:
     """Packed input: one row (``batch == 1``) holding the sequences that ``cu_seqlens``
-    (prefix sums, ``[n + 1]``) delimit."""
-    bounds = [int(x) for x in cu_seqlens.reshape(-1).tolist()]
+    (prefix sums, ``[n + 1]``, an integer tensor on a real device) delimit."""
+    if (
+        cu_seqlens.dim() != 1
+        or cu_seqlens.dtype.is_floating_point
+        or cu_seqlens.dtype.is_complex
+        or cu_seqlens.dtype == torch.bool
+    ):
+        raise IntegrationError(
+            f"cu_seq_lens must be a 1-D integer tensor of prefix sums (int32, as "
+            f"pack_sequences makes them); got {cu_seqlens.dim()}-D {cu_seqlens.dtype}"
+        )
+    if cu_seqlens.device.type == "meta":
+        raise IntegrationError(
+            "cu_seq_lens are on the meta device, which holds no values to split the batch by; "
+            "pass them on the CPU or the model's device"
+        )
+    bounds = [int(x) for x in cu_seqlens.tolist()]
     if batch != 1:
         raise IntegrationError(
             f"cu_seq_lens describe one packed row, but the batch has {batch} rows; pack every "
