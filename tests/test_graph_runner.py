@@ -173,6 +173,26 @@ def test_malformed_batches_are_refused():
         GraphRunner(model, [SMALL], capture=True)
 
 
+@pytest.mark.parametrize(
+    ("cu", "positions", "match"),
+    [
+        (None, torch.zeros(1, 1, dtype=torch.long), r"position_ids .*\[1, 14\]"),
+        (None, torch.arange(13)[None], r"position_ids .*\[1, 14\]"),
+        (None, torch.arange(14.0)[None], "integer tensor"),
+        (torch.tensor([0.0, 5.0, 14.0]), None, "integer tensor"),
+    ],
+    ids=["positions-1x1", "positions-short", "positions-float", "cu-float"],
+)
+def test_positions_and_bounds_of_another_shape_or_dtype_are_refused(cu, positions, match):
+    """A ``[1, 1]`` position tensor would broadcast over the row, a short one raise inside
+    torch, float bounds be truncated: each is a named error before anything runs."""
+    model, _ = _models("bert")
+    runner = GraphRunner(model, [SMALL])
+    _, ids, good_cu = _batch((5, 9), 0)
+    with pytest.raises(ab.IntegrationError, match=match):
+        runner(ids, good_cu if cu is None else cu, position_ids=positions)
+
+
 def test_graph_plans_are_made_once_per_bucket_and_updated_per_batch(monkeypatch):
     """On a fake flashinfer (CPU): ``prepare_graph`` once per bucket and spec, ``plan`` per
     batch on the same wrapper, and the numbers still those of each sequence alone."""

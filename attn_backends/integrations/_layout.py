@@ -87,15 +87,10 @@ def from_padding_mask(mask: torch.Tensor) -> BatchLayout:
     return _layout(lengths, batch, seq, mask.device, (rows, cols), valid=valid)
 
 
-def from_cu_seqlens(cu_seqlens: torch.Tensor, batch: int, seq: int) -> BatchLayout:
-    """Packed input: one row (``batch == 1``) holding the sequences that ``cu_seqlens``
-    (prefix sums, ``[n + 1]``, an integer tensor on a real device) delimit."""
-    if (
-        cu_seqlens.dim() != 1
-        or cu_seqlens.dtype.is_floating_point
-        or cu_seqlens.dtype.is_complex
-        or cu_seqlens.dtype == torch.bool
-    ):
+def cu_seqlens_bounds(cu_seqlens: torch.Tensor) -> list[int]:
+    """The prefix sums as ints, once checked to be what transformers and `pack_sequences`
+    pass: a 1-D integer tensor on a device that holds values (a float would be truncated)."""
+    if not _integer_vector(cu_seqlens):
         raise IntegrationError(
             f"cu_seq_lens must be a 1-D integer tensor of prefix sums (int32, as "
             f"pack_sequences makes them); got {cu_seqlens.dim()}-D {cu_seqlens.dtype}"
@@ -105,7 +100,40 @@ def from_cu_seqlens(cu_seqlens: torch.Tensor, batch: int, seq: int) -> BatchLayo
             "cu_seq_lens are on the meta device, which holds no values to split the batch by; "
             "pass them on the CPU or the model's device"
         )
-    bounds = [int(x) for x in cu_seqlens.tolist()]
+    return [int(x) for x in cu_seqlens.tolist()]
+
+
+def _integer_vector(t: torch.Tensor, dims: int = 1) -> bool:
+    dtype = t.dtype
+    return t.dim() == dims and not (
+        dtype.is_floating_point or dtype.is_complex or dtype == torch.bool
+    )
+
+
+def check_position_ids(position_ids: object, tokens: int) -> torch.Tensor:
+    """``position_ids`` of one packed row of ``tokens`` tokens: an integer ``[1, tokens]``
+    tensor (a ``[1, 1]`` one would broadcast over the row)."""
+    if (
+        not isinstance(position_ids, torch.Tensor)
+        or not _integer_vector(position_ids, dims=2)
+        or tuple(position_ids.shape) != (1, tokens)
+    ):
+        got = (
+            f"{tuple(position_ids.shape)} {position_ids.dtype}"
+            if isinstance(position_ids, torch.Tensor)
+            else type(position_ids).__name__
+        )
+        raise IntegrationError(
+            f"position_ids must be an integer tensor [1, {tokens}], one position per packed "
+            f"token; got {got}"
+        )
+    return position_ids
+
+
+def from_cu_seqlens(cu_seqlens: torch.Tensor, batch: int, seq: int) -> BatchLayout:
+    """Packed input: one row (``batch == 1``) holding the sequences that ``cu_seqlens``
+    (prefix sums, ``[n + 1]``, an integer tensor on a real device) delimit."""
+    bounds = cu_seqlens_bounds(cu_seqlens)
     if batch != 1:
         raise IntegrationError(
             f"cu_seq_lens describe one packed row, but the batch has {batch} rows; pack every "

@@ -52,7 +52,7 @@ from .._model._platform import Platform
 from .._model._spec import AttentionSpec
 from .._path._graph import GraphBucket, GraphPlan, slot_lengths
 from .._select._selector import select
-from . import _hf_features, _hf_models, _registered
+from . import _hf_features, _hf_models, _layout, _registered
 from ._packed import check_served
 from .transformers import _refuse_unsupported_call, _spec_for
 
@@ -256,12 +256,11 @@ class GraphRunner:
         """The last hidden state ``[1, T, C]`` of one packed batch: ``input_ids`` ``[1, T]``,
         ``cu_seq_lens`` its ``n + 1`` prefix sums, ``position_ids`` ``[1, T]`` (default:
         restarting at ``position_offset``)."""
-        bounds = [
-            int(x)
-            for x in (
-                cu_seq_lens.tolist() if isinstance(cu_seq_lens, torch.Tensor) else cu_seq_lens
-            )
-        ]
+        bounds = (
+            _layout.cu_seqlens_bounds(cu_seq_lens)
+            if isinstance(cu_seq_lens, torch.Tensor)
+            else [int(x) for x in cu_seq_lens]
+        )
         lengths = tuple(b - a for a, b in itertools.pairwise(bounds))
         tokens = bounds[-1] if bounds else 0
         if (
@@ -280,7 +279,7 @@ class GraphRunner:
         input_ids = input_ids.to(self.device)
         if position_ids is None:
             position_ids = self._positions(lengths)
-        position_ids = position_ids.to(self.device)
+        position_ids = _layout.check_position_ids(position_ids, tokens).to(self.device)
         bucket = self.bucket_for(lengths)
         self.stats.buckets.append(bucket)
         if bucket is None or not self._checked:
