@@ -328,11 +328,14 @@ def measure_batch(
     return rows
 
 
-def grid(device: torch.device, dry: bool, backends: Sequence[str]) -> list[Row]:
+def grid(
+    device: torch.device, dry: bool, backends: Sequence[str], seq_lens: Sequence[int] = SEQ_LENS
+) -> list[Row]:
     rows: list[Row] = []
     for causal in (False, True):
         for head_dim in HEAD_DIMS:
-            for index, seq_len in enumerate(SEQ_LENS):
+            for seq_len in seq_lens:
+                index = SEQ_LENS.index(seq_len)
                 # dry: the grid's shape at 1/64 of its lengths and one batch of 256 tokens
                 tokens, length = (256, seq_len // 64) if dry else (TOKENS, seq_len)
                 heads = 2 if dry else WIDTH // head_dim
@@ -396,6 +399,11 @@ def main(argv: list[str] | None = None) -> int:
         "also times the raw kernel it wraps where one is known",
     )
     parser.add_argument(
+        "--seq-lens",
+        default=",".join(str(n) for n in SEQ_LENS),
+        help="the FA3 grid's sequence lengths to run (default: %(default)s)",
+    )
+    parser.add_argument(
         "--shapes",
         choices=("all", "grid", "varlen"),
         default="all",
@@ -405,12 +413,19 @@ def main(argv: list[str] | None = None) -> int:
     if not args.dry and not torch.cuda.is_available():
         parser.error("needs a CUDA GPU (or --dry)")
     backends = [b for b in args.backends.split(",") if b]
+    try:
+        seq_lens = tuple(int(n) for n in args.seq_lens.split(",") if n)
+    except ValueError:
+        parser.error(f"--seq-lens takes comma-separated integers, got {args.seq_lens!r}")
+    unknown = sorted(set(seq_lens) - set(SEQ_LENS))
+    if unknown:
+        parser.error(f"--seq-lens: {unknown} not in the grid {list(SEQ_LENS)}")
     device = torch.device("cpu" if args.dry else "cuda")
     rows: list[Row] = []
     if args.shapes in ("all", "varlen"):
         rows += varlen(device, args.dry, backends)
     if args.shapes in ("all", "grid"):
-        rows += grid(device, args.dry, backends)
+        rows += grid(device, args.dry, backends, seq_lens)
     text = markdown(rows)
     print(text)
     if args.out:
