@@ -299,6 +299,34 @@ def test_encode_is_packed_and_equals_the_padded_sdpa_output(st_dirs, name):
     )
 
 
+@pytest.mark.parametrize("name", sorted(CASES))
+def test_token_embeddings_and_every_output_equal_the_padded_path(st_dirs, name):
+    """sentence-transformers cuts these outputs by the padding mask, which a flattened batch
+    lacks; the packed model serves them from padded batches through the same attention, while
+    sentence embeddings of the same model stay packed."""
+    path = st_dirs[name]
+    texts = _texts(seed=7)
+    ref, ours = _reference(path), abst.load(str(path))
+    want = ref.encode(texts, output_value="token_embeddings", batch_size=4)
+    got = ours.encode(texts, output_value="token_embeddings", batch_size=4)
+    assert [t.shape for t in got] == [t.shape for t in want]
+    for g, w in zip(got, want, strict=True):
+        assert _err(g, w) < TOL
+    want_all = ref.encode_query(texts, output_value=None, batch_size=4)
+    got_all = ours.encode_query(texts, output_value=None, batch_size=4)
+    for g, w in zip(got_all, want_all, strict=True):
+        # the batches are ordered differently (interleaved lengths), so padding widths differ:
+        # each text's own rows are what must be equal
+        assert g.keys() == w.keys()
+        rows_g = g["token_embeddings"][g["attention_mask"].bool()]
+        rows_w = w["token_embeddings"][w["attention_mask"].bool()]
+        assert rows_g.shape == rows_w.shape and _err(rows_g, rows_w) < TOL
+        assert _err(g["sentence_embedding"], w["sentence_embedding"]) < TOL
+    with attention_calls() as calls:
+        ours.encode(texts, batch_size=4)
+    _assert_packed(calls, _token_counts(ours, texts))
+
+
 def test_a_prompt_left_out_of_mean_pooling_stays_left_out(st_dirs):
     path = st_dirs["bert-mean"]
     texts = _texts(seed=3)

@@ -16,15 +16,28 @@ module's own position-offset inference. Everything after that (tokenising withou
 the length-interleaved batch order, pooling, normalisation, prompts, truncation) is
 sentence-transformers' own code. Built against sentence-transformers 6.2; ``tests/
 test_sentence_transformers.py`` fails if a later release moves these attributes.
+
+One output needs the padded batch: sentence-transformers' inference loop cuts per-text token
+embeddings (``output_value="token_embeddings"``, and the per-text dicts of ``None``) by the
+batch's ``attention_mask``, which a flattened batch has not, so those calls fail inside it
+(``KeyError: 'attention_mask'``) on its own flash path too. `padded_batches` makes the calls
+inside it tokenise padded, for the current thread or task only (a context variable, read by
+the module's ``_should_flatten_inputs``), so they return exactly the padded path's output
+through this library's attention.
 """
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import Iterator
+from contextvars import ContextVar
 from typing import Any
 
 from .._model._errors import IntegrationError
 
-__all__ = ["FLATTENED_KWARGS", "enable_flattening", "flattening_problems"]
+__all__ = ["FLATTENED_KWARGS", "enable_flattening", "flattening_problems", "padded_batches"]
+
+_padded: ContextVar[bool] = ContextVar("attn_backends_st_padded", default=False)
 
 FLATTENED_KWARGS = frozenset(
     {"cu_seq_lens_q", "cu_seq_lens_k", "max_length_q", "max_length_k", "seq_idx"}
@@ -75,3 +88,19 @@ def enable_flattening(transformer: Any) -> None:
         transformer.model_forward_params |= FLATTENED_KWARGS
     transformer._flatten_position_offset = transformer._infer_flatten_position_offset()
     transformer.can_flatten_inputs = True
+    should_flatten = transformer._should_flatten_inputs  # the bound method of its class
+
+    def flatten_unless_padded(*args: Any, **kwargs: Any) -> bool:
+        return not _padded.get() and bool(should_flatten(*args, **kwargs))
+
+    transformer._should_flatten_inputs = flatten_unless_padded
+
+
+@contextlib.contextmanager
+def padded_batches() -> Iterator[None]:
+    """Tokenise padded, not flattened, inside this block (this thread or task only)."""
+    token = _padded.set(True)
+    try:
+        yield
+    finally:
+        _padded.reset(token)

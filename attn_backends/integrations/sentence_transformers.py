@@ -8,7 +8,9 @@ layer runs on the padding. `packed` removes it without changing what ``encode`` 
   sentence-transformers' own flattening (`_st_flatten`): its collator packs each text batch into
   one row with ``cu_seq_lens`` and restarting positions (RoBERTa-style offsets included), its
   pooling reads the flat output, and its prompts, truncation and normalisation stay as they
-  are. ``encode``, ``encode_query`` and ``encode_document`` all take that path.
+  are. ``encode``, ``encode_query`` and ``encode_document`` all take that path; a call for
+  ``output_value="token_embeddings"`` or ``None`` runs padded (`_st_flatten.padded_batches`:
+  sentence-transformers cuts those outputs by the padding mask), through the same attention.
 - **CrossEncoder** (``sequence-classification``/``text-generation``): sentence-transformers
   never flattens these, because their heads read fixed positions; the backbone in front of the
   head runs packed instead (`_st_backbone`) and the head reads the hidden states back in their
@@ -23,6 +25,7 @@ sentence-transformers and transformers are imported only inside these functions.
 
 from __future__ import annotations
 
+import functools
 import threading
 import weakref
 from typing import TYPE_CHECKING, Any, TypeVar
@@ -45,6 +48,9 @@ Model = TypeVar("Model", bound=torch.nn.Module)
 
 _BACKBONE_TASKS = ("sequence-classification", "text-generation")
 _packed_modules: weakref.WeakSet[torch.nn.Module] = weakref.WeakSet()
+_exact_encoders: weakref.WeakSet[torch.nn.Module] = weakref.WeakSet()
+"""SentenceTransformers whose ``encode`` already routes padded outputs (`packed` is
+idempotent)."""
 _lock = threading.Lock()
 
 
@@ -113,7 +119,32 @@ def packed(model: Model) -> Model:
                 continue
             _pack(module)
             _packed_modules.add(module)
+    with _lock:
+        _encode_outputs_exactly(model)
     return model
+
+
+def _encode_outputs_exactly(model: Any) -> None:
+    """A SentenceTransformer's ``encode`` (which ``encode_query``/``encode_document`` call)
+    asked for token embeddings or every output runs on padded batches: the only outputs that
+    sentence-transformers cuts by the padding mask. Sentence embeddings stay packed."""
+    from sentence_transformers import SentenceTransformer
+
+    if not isinstance(model, SentenceTransformer) or model in _exact_encoders:
+        return
+    encode = model.encode
+
+    @functools.wraps(encode)
+    def encode_exactly(*args: Any, **kwargs: Any) -> Any:
+        if kwargs.get("output_value", "sentence_embedding") == "sentence_embedding":
+            return encode(*args, **kwargs)
+        with _st_flatten.padded_batches():
+            return encode(*args, **kwargs)
+
+    # the instance attribute shadows the class's method; sentence-transformers' own
+    # encode_query/encode_document reach it through self.encode
+    model.encode = encode_exactly  # type: ignore[method-assign]
+    _exact_encoders.add(model)
 
 
 def _pack(module: Any) -> None:
