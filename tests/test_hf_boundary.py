@@ -323,6 +323,30 @@ def test_case5_two_pinned_backends_sharing_one_mask_get_their_own_plans():
 # --- 6. pack_sequences / unpack_hidden bounds -------------------------------------------------
 
 
+@pytest.mark.parametrize("mask", ["none", "all-ones"])
+@pytest.mark.parametrize(
+    "positions",
+    [[0, 1, 2, 3, 4, 5, 0, 1, 2, 3, 4, 5], [0] * 12],
+    ids=["restarting", "all-zero"],
+)
+def test_case6_position_ids_pack_only_where_transformers_reads_them_so(mask, positions):
+    """Restarting position_ids split a row only inside transformers' causal mask functions,
+    and only without a 2-D mask. BERT (a bidirectional mask) never packs by them, with or
+    without a mask; a causal model given an explicit mask does not either. Each computes the
+    model's own attention over the whole row."""
+    position_ids = torch.tensor([positions])
+    ids = _ids(1, 12, seed=9)
+    extra = {"attention_mask": torch.ones(1, 12, dtype=torch.long)} if mask == "all-ones" else {}
+    models = {"bert": _bert()}
+    if mask == "all-ones":
+        models["qwen3"] = _qwen3(use_cache=False)
+    for name, model in models.items():
+        inputs = {"input_ids": ids, "position_ids": position_ids, **extra}
+        want = hf.run(model, "eager", **inputs)
+        got = hf.run(model, NAME, **inputs)
+        assert hf.relative_error(got, want) <= 1e-5, name
+
+
 def _served_packed(sequences: list[list[int]]) -> abt.PackedBatch:
     packed = abt.pack_sequences(sequences)
     tokens = sum(len(s) for s in sequences)

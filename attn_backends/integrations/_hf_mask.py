@@ -118,6 +118,9 @@ class MaskRequest:
     chunk_size: int | None = None
     """The chunk of a chunked mask (``attention_chunk_size``): the spec's ``chunk_size`` for
     every layer handed this mask."""
+    mask_given: bool = False
+    """The model handed the hook a 2-D mask (all ones counts): transformers then never reads
+    restarting ``position_ids`` as packed sequences."""
     attention_layers: int | None = None
     """Attention calls one forward makes at least (`_hf_models.attention_layers`): a packed
     row read by fewer was mixed across its boundaries by the other layers."""

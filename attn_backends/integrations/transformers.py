@@ -171,7 +171,15 @@ def padding_mask(
     if config is not None and padding is not None:
         _refuse_padding_blind_mixers(config, model)
     request = MaskRequest(
-        model, batch_size, kv_length, device, padding, evaluate, blocks=blocks, chunk_size=chunk
+        model,
+        batch_size,
+        kv_length,
+        device,
+        padding,
+        evaluate,
+        blocks=blocks,
+        chunk_size=chunk,
+        mask_given=attention_mask is not None,
     )
     if config is not None:
         request.attention_layers = _hf_models.attention_layers(config)
@@ -339,16 +347,18 @@ def _log_decision(
 
 
 def _packed_source(
-    batch: int, seq: int, kwargs: Mapping[str, Any]
+    batch: int, seq: int, kwargs: Mapping[str, Any], *, positions_pack: bool
 ) -> tuple[str, torch.Tensor] | None:
-    """The kwarg that packs several sequences into a row: ``cu_seq_lens_q``, else 2-D
+    """The kwarg that packs several sequences into a row: ``cu_seq_lens_q``, else, where
+    transformers itself reads them so (``positions_pack``, `_positions_pack`), 2-D
     ``position_ids`` (they split a row where they stop counting up by one)."""
     cu = kwargs.get("cu_seq_lens_q")
     if isinstance(cu, torch.Tensor):
         return "cu_seqlens", cu
     positions = kwargs.get("position_ids")
     if (
-        isinstance(positions, torch.Tensor)
+        positions_pack
+        and isinstance(positions, torch.Tensor)
         and positions.dim() == 2
         and positions.shape[-1] == seq
         and positions.shape[0] in (1, batch)
@@ -366,6 +376,14 @@ def _packed_layout(
     return _layout.from_position_ids(source, batch, seq)
 
 
+def _positions_pack(request: MaskRequest) -> bool:
+    """Whether restarting ``position_ids`` split this batch's rows, as transformers reads
+    them: only its causal mask functions (causal, sliding-window and chunked) look for
+    packed sequences there, and only when the model was given no 2-D mask (and no cache,
+    which the mask check sees: the model's mask then spans the whole row)."""
+    return not request.mask_given and request.mask_is_causal() is True
+
+
 def _hooked_layout(
     request: MaskRequest, batch: int, seq: int, kwargs: Mapping[str, Any], layer: str
 ) -> BatchLayout:
@@ -377,7 +395,7 @@ def _hooked_layout(
             f"{request.length} tokens but the layer attends {batch} x {seq}; attn_backends "
             "serves self-attention over the whole batch only"
         )
-    packed = _packed_source(batch, seq, kwargs)
+    packed = _packed_source(batch, seq, kwargs, positions_pack=_positions_pack(request))
     if packed is not None and request.padding is None:
         kind, source = packed
         key: Hashable = (kind, id(source))
@@ -418,7 +436,8 @@ def _unhooked_layout(
     each row is one sequence, as transformers' sdpa path reads a missing mask. Without the
     hook nothing marks where a forward starts, so a packed layout is derived per call from the
     kwargs' content (an inference tensor rewritten in place keeps no version to tell)."""
-    packed = _packed_source(batch, seq, kwargs)
+    # no mask function to consult: position_ids pack as transformers' flash path reads them
+    packed = _packed_source(batch, seq, kwargs, positions_pack=True)
     if packed is not None:
         kind, source = packed
         layout = _packed_layout(kind, source, batch, seq, kwargs)
@@ -472,7 +491,7 @@ def _batch_layout(
                 f"{layer}: a 4-D attention mask of shape {tuple(attention_mask.shape)} for a "
                 f"batch of {batch} x {seq} tokens; pass the 2-D [batch, seq] padding mask"
             )
-        if _packed_source(batch, seq, kwargs) is not None and "cu_seq_lens_q" in kwargs:
+        if isinstance(kwargs.get("cu_seq_lens_q"), torch.Tensor):
             raise IntegrationError(
                 f"{layer}: a 4-D attention mask together with cu_seq_lens; pass one of them"
             )
