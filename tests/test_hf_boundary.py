@@ -320,6 +320,19 @@ def test_case5_two_pinned_backends_sharing_one_mask_get_their_own_plans():
     assert {"flex", "torch-sdpa"} <= chosen
 
 
+def test_case4_a_4d_mask_that_hides_a_real_token_from_itself_is_refused():
+    """The token stays a token (other queries see it), so the mask differs from the spec's
+    and is refused; read from the diagonal alone it became padding and its output zeros."""
+    model = _bert()
+    ids = _ids(1, 6, seed=4)
+    allowed = torch.ones(1, 1, 6, 6, dtype=torch.bool)
+    allowed[0, 0, 2, 2] = False
+    want = hf.run(model, "eager", input_ids=ids, attention_mask=allowed)
+    assert float(want[0, 2].abs().sum()) > 0, "eager computes an output for that token"
+    with pytest.raises(abt.MaskMismatchError, match="query column 2"):
+        hf.run(model, NAME, input_ids=ids, attention_mask=allowed)
+
+
 # --- 6. pack_sequences / unpack_hidden bounds -------------------------------------------------
 
 

@@ -675,7 +675,7 @@ def mask_4d_is_causal(mask: torch.Tensor, model_name: str) -> bool | None:
     """Whether a 4-D mask hides the second valid token of a row from the first (see
     `MaskRequest.mask_is_causal`); None when no row has two valid tokens."""
     allowed = _allowed_of_4d(mask, model_name)
-    valid = allowed.diagonal(dim1=-2, dim2=-1)
+    valid = allowed.any(dim=-2)  # tokens as `layout_of_4d` reads them
     rows = (valid.sum(dim=1) >= 2).nonzero().reshape(-1)
     if rows.numel() == 0:
         return None
@@ -687,17 +687,19 @@ def mask_4d_is_causal(mask: torch.Tensor, model_name: str) -> bool | None:
 def layout_of_4d(
     mask: torch.Tensor, spec: AttentionSpec, *, model_name: str, layer: str
 ) -> BatchLayout:
-    """The layout of a 4-D mask, derived from its content (a token is valid when it sees
-    itself) and checked against ``spec``. Cached by content, never by identity or version:
-    a mask rewritten in place (inference tensors keep no version counter) is a new mask."""
+    """The layout of a 4-D mask, derived from its content and checked against ``spec``: a
+    token is padding when no query may see it as a key (its whole column hidden), never from
+    the diagonal alone, so a real token that a mask hides from itself stays a token, and the
+    check refuses the mask. Cached by content, never by identity or version: a mask rewritten
+    in place (inference tensors keep no version counter) is a new mask."""
     allowed = _allowed_of_4d(mask, model_name)
     key = (tuple(allowed.shape), allowed.device)
     entry = _state_4d.entries.get(key)
     if entry is None or not torch.equal(entry.allowed, allowed):
-        valid = allowed.diagonal(dim1=-2, dim2=-1)
+        valid = allowed.any(dim=-2)
         if not bool(valid.any()):
             raise IntegrationError(
-                f"{model_name}: the 4-D attention mask lets no token see itself; pass a real batch"
+                f"{model_name}: the 4-D attention mask lets no query see any key; pass a real batch"
             )
         entry = _Mask4D(allowed.clone(), _layout.from_padding_mask(valid))
         _state_4d.entries[key] = entry
