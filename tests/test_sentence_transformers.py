@@ -148,7 +148,8 @@ def _cases() -> dict[str, Case]:
         ),
         "qwen3-lasttoken": Case(
             DECODER_VOCAB,
-            lambda v: t.Qwen3Config(vocab_size=v, pad_token_id=0, use_cache=False, **gqa),
+            # use_cache left at its default (True), as the published Qwen3-Embedding config has it
+            lambda v: t.Qwen3Config(vocab_size=v, pad_token_id=0, **gqa),
             "lasttoken",
         ),
         # EmbeddingGemma's layout: bidirectional, a window on every other layer
@@ -325,6 +326,26 @@ def test_token_embeddings_and_every_output_equal_the_padded_path(st_dirs, name):
     with attention_calls() as calls:
         ours.encode(texts, batch_size=4)
     _assert_packed(calls, _token_counts(ours, texts))
+
+
+def test_a_config_that_keeps_use_cache_is_served_packed(st_dirs):
+    """sentence-transformers before 6.3 kept the config's ``use_cache=True`` (Qwen3-Embedding's
+    published config has it); with a cache transformers reads a packed row as one sequence.
+    `packed` runs the prefill without one."""
+    path = st_dirs["qwen3-lasttoken"]
+    texts = _texts(seed=11)
+    expected = _reference(path).encode(texts, batch_size=4, convert_to_tensor=True)
+    model = SentenceTransformer(
+        str(path), model_kwargs={"attn_implementation": abst.attention_name()}
+    )
+    transformer: Any = model[0]
+    transformer.model.config.use_cache = True
+    abst.packed(model)
+    assert transformer.model.config.use_cache is False
+    with attention_calls() as calls:
+        got = model.encode(texts, batch_size=4, convert_to_tensor=True)
+    assert _err(got, expected) < TOL
+    _assert_packed(calls, _token_counts(model, texts))
 
 
 def test_a_prompt_left_out_of_mean_pooling_stays_left_out(st_dirs):

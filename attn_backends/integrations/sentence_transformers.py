@@ -147,7 +147,21 @@ def _encode_outputs_exactly(model: Any) -> None:
     _exact_encoders.add(model)
 
 
+def _without_cache(config: Any) -> None:
+    """``use_cache=False`` on a transformer's config and its sub-configs: an encoder's
+    prefill never reads a cache, and with one transformers' mask reads a packed row as one
+    sequence (sentence-transformers 6.3 does the same on load; 6.0-6.2 keep the config's)."""
+    # the config is transformers' untyped object; not every config has use_cache
+    if getattr(config, "use_cache", None):
+        config.use_cache = False
+    for name in getattr(config, "sub_configs", {}) or {}:
+        sub = getattr(config, name, None)
+        if sub is not None:
+            _without_cache(sub)
+
+
 def _pack(module: Any) -> None:
+    _without_cache(module.model.config)
     task = module.transformer_task
     if task in _BACKBONE_TASKS:
         base = module.model.base_model
