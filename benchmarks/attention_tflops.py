@@ -262,7 +262,10 @@ def api_path(
     except ab.NoBackendError as exc:
         return name or "-", f"refused: {exc}"[:300]
     backend = selection.backend
-    plan = backend.prepare(params)
+    try:
+        plan = backend.prepare(params)
+    except ab.AttentionBackendError as exc:  # e.g. a kernel library that fails to import
+        return backend.name, f"failed: {exc}"[:300]
     return backend.name, lambda: backend.forward(qkv, plan)
 
 
