@@ -183,6 +183,32 @@ def test_flashattention_2_is_not_taken_for_flashattention_4():
         assert codes(spec_of(), present) == set(), version
 
 
+def test_an_installed_flash_attn_4_whose_cute_does_not_import_is_refused(monkeypatch):
+    """Seen on an H200: the wheels installed, the CuTe DSL's ``cutlass.cute`` missing. The
+    backend is refused with the import's own error, never selected to fail in prepare()."""
+    real_version = importlib.metadata.version
+
+    def version(name: str) -> str:
+        return "4.0.0b36" if name == fa4.DISTRIBUTION else real_version(name)
+
+    def broken(name: str, *args: object) -> object:
+        raise ModuleNotFoundError("No module named 'cutlass.cute'")
+
+    monkeypatch.setattr(importlib.metadata, "version", version)
+    monkeypatch.setattr(importlib, "import_module", broken)
+    fa4.cute_import_failure.cache_clear()
+    try:
+        real = ab.Platform(kind="cuda", arch="sm90", libraries=(("flash_attn", "4.0.0b36"),))
+        (reason,) = Fa4Backend().supports(spec_of(), real)
+        assert reason.code is ab.ReasonCode.LIBRARY_MISSING
+        assert reason.got == "ModuleNotFoundError: No module named 'cutlass.cute'"
+        assert "CuTe DSL" in reason.message
+        # a dry run (platform="cuda:sm90") assumes the libraries and imports nothing
+        assert codes(spec_of(), "cuda:sm90") == set()
+    finally:
+        fa4.cute_import_failure.cache_clear()
+
+
 def test_decision_record_names_the_kernel():
     sel = ab.select(spec_of(), backend="fa4", platform="cuda:sm90")
     details = dict(sel.details)

@@ -47,6 +47,8 @@ and torch-sdpa (0).
 
 from __future__ import annotations
 
+import functools
+import importlib
 import importlib.metadata
 import re
 from collections.abc import Callable
@@ -156,6 +158,23 @@ def _fa2_in_place_of_fa4(platform: Platform) -> Reason | None:
     return None
 
 
+@functools.cache
+def cute_import_failure() -> str | None:
+    """Why ``flash_attn.cute`` does not import although flash-attn-4 is installed (its CuTe
+    DSL missing or broken: seen on an H200 with nvidia-cutlass-dsl's libraries but not its
+    ``cutlass.cute``), once per process; None when it imports or nothing is installed (the
+    library probe refuses that). ``cute_import_failure.cache_clear()`` tries again."""
+    try:
+        importlib.metadata.version(DISTRIBUTION)
+    except importlib.metadata.PackageNotFoundError:
+        return None
+    try:
+        importlib.import_module("flash_attn.cute")
+    except Exception as exc:  # any failure of a third-party import is this reason's text
+        return f"{type(exc).__name__}: {exc}"
+    return None
+
+
 class Fa4Backend(PrefillBackend):
     name = "fa4"
     capabilities = Capabilities(
@@ -193,6 +212,20 @@ class Fa4Backend(PrefillBackend):
         fa2 = _fa2_in_place_of_fa4(platform)
         if fa2 is not None:
             reasons.append(fa2)
+        failure = (
+            cute_import_failure() if platform.kind == "cuda" and not platform.assumed else None
+        )
+        if failure is not None:
+            reasons.append(
+                Reason(
+                    ReasonCode.LIBRARY_MISSING,
+                    f"{DISTRIBUTION} is installed but flash_attn.cute does not import; install "
+                    "its CuTe DSL (nvidia-cutlass-dsl with the libraries of your CUDA release)",
+                    "libraries",
+                    failure,
+                    "an importable flash_attn.cute",
+                )
+            )
         return reasons
 
     def describe(self, platform: Platform) -> dict[str, str]:
