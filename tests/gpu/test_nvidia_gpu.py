@@ -57,20 +57,30 @@ def _ready(name: str, lengths: tuple[int, ...] = LENGTHS):
     return spec, backend, params, plan, qkv
 
 
-@pytest.mark.parametrize("name", ["flashinfer", "flashinfer-rope", "trt"])
-def test_forward_allocates_only_the_output(name):
-    spec, backend, params, plan, qkv = _ready(name)
-    buf = qkv.clone()
+def _forward_bytes(backend, plan, qkv, *, no_sync: bool = False) -> tuple[torch.Tensor, int, int]:
+    """``forward``'s output and the bytes it kept and peaked at (``no_sync``: a host sync
+    inside it raises). Requested bytes, not memory_allocated(): block counters include the rest
+    of a cached block the allocator hands out unsplit (remainder under 1 MiB), which forward did
+    not ask for."""
     torch.cuda.synchronize()
-    # Requested bytes, not memory_allocated(): block counters include the rest of a cached block
-    # the allocator hands out unsplit (remainder under 1 MiB), which forward did not ask for.
     before = torch.cuda.memory_stats()["requested_bytes.all.current"]
     torch.cuda.reset_peak_memory_stats()
-    out = backend.forward(buf, plan)
+    if no_sync:
+        torch.cuda.set_sync_debug_mode("error")
+    try:
+        out = backend.forward(qkv, plan)
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
     torch.cuda.synchronize()
     stats = torch.cuda.memory_stats()
     grown = stats["requested_bytes.all.current"] - before
-    peak = stats["requested_bytes.all.peak"] - before
+    return out, grown, stats["requested_bytes.all.peak"] - before
+
+
+@pytest.mark.parametrize("name", ["flashinfer", "flashinfer-rope", "trt"])
+def test_forward_allocates_only_the_output(name):
+    spec, backend, params, plan, qkv = _ready(name)
+    out, grown, peak = _forward_bytes(backend, plan, qkv.clone())
     nbytes = out.untyped_storage().nbytes()
     assert nbytes == params.token_q_num * spec.q_width * out.element_size()
     assert grown == nbytes and peak == nbytes, (grown, peak, nbytes)
@@ -185,19 +195,8 @@ def test_separate_qkv_allocates_only_the_output_and_never_syncs(name):
     out = backend.forward(_separate_views(qkv.clone(), spec), plan)  # kernels loaded
     _check(out, qkv, spec, params)
     del out  # freed now, not while the measured forward's output replaces it
-    buf = qkv.clone()
-    torch.cuda.synchronize()
-    before = torch.cuda.memory_stats()["requested_bytes.all.current"]
-    torch.cuda.reset_peak_memory_stats()
-    torch.cuda.set_sync_debug_mode("error")
-    try:
-        out = backend.forward(_separate_views(buf, spec), plan)
-    finally:
-        torch.cuda.set_sync_debug_mode("default")
-    torch.cuda.synchronize()
-    stats = torch.cuda.memory_stats()
-    grown = stats["requested_bytes.all.current"] - before
-    peak = stats["requested_bytes.all.peak"] - before
+    views = _separate_views(qkv.clone(), spec)
+    out, grown, peak = _forward_bytes(backend, plan, views, no_sync=True)
     nbytes = params.token_q_num * spec.q_width * out.element_size()
     _check(out, qkv, spec, params)
     assert grown == nbytes, f"kept {grown} bytes, the output is {nbytes}"
@@ -250,15 +249,7 @@ def test_torch_varlen_allocates_the_output_and_the_kernel_scratch_only():
     spec, backend, params, plan, qkv = _ready("torch-varlen")
     call = backend.binding.variant
     assert isinstance(call, VarlenCall)
-    buf = qkv.clone()
-    torch.cuda.synchronize()
-    before = torch.cuda.memory_stats()["requested_bytes.all.current"]
-    torch.cuda.reset_peak_memory_stats()
-    out = backend.forward(buf, plan)
-    torch.cuda.synchronize()
-    stats = torch.cuda.memory_stats()
-    grown = stats["requested_bytes.all.current"] - before
-    peak = stats["requested_bytes.all.peak"] - before
+    out, grown, peak = _forward_bytes(backend, plan, qkv.clone())
     tokens = params.token_q_num
     nbytes = tokens * spec.q_width * out.element_size()
     lse = spec.num_heads * tokens * 4
