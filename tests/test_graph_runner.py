@@ -113,6 +113,21 @@ def test_bucketed_batches_equal_each_sequence_alone(kind, offset):
     assert (runner.stats.eager, runner.stats.bucketed, runner.stats.captures) == (1, 4, 0)
 
 
+@pytest.mark.parametrize(("kind", "offset"), [("bert", 0), ("xlmr", 2), ("qwen3", 0)])
+def test_positions_follow_the_models_own_rule_by_default(kind, offset):
+    """No position_offset given: XLM-R numbers positions from padding_idx + 1 as its own
+    embeddings do (from 0 it missed by 0.24); the reference is each sequence alone with the
+    model's own default positions."""
+    model, ref = _models(kind)
+    runner = GraphRunner(model, [SMALL])
+    assert runner.position_offset == offset
+    assert runner.pad_token_id == (model.config.pad_token_id or 0)
+    seqs, ids, cu = _batch((5, 9, 1), 0)
+    with torch.inference_mode():
+        expected = [ref(input_ids=s[None]).last_hidden_state[0] for s in seqs]
+    _check(runner(ids, cu), seqs, cu, expected, 1e-5)
+
+
 def test_static_buffers_are_reused_and_are_what_the_model_reads():
     model, _ = _models("bert")
     runner = GraphRunner(model, [SMALL], pad_token_id=7)

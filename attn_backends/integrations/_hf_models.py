@@ -32,6 +32,7 @@ __all__ = [
     "attention_layers",
     "model_name",
     "padding_blind_mixers",
+    "position_offset",
     "refuse_bypassing_model",
     "refuse_in_attention_tables",
     "token_mixers_outside_attention",
@@ -101,6 +102,23 @@ def _bypassing(config_class: type) -> str | None:
     with _lock:
         _bypassers[config_class] = name
     return name
+
+
+def position_offset(model: Any) -> int:
+    """Where a model's own position ids start: ``padding_idx + 1`` for RoBERTa-family
+    embeddings (XLM-R, CamemBERT, ...), which number positions past the padding index, else
+    0. Read from the model as transformers builds it: a module pairing an int
+    ``padding_idx`` with a learned ``position_embeddings`` table (no 0-based or rotary model
+    does)."""
+    import torch
+
+    for module in model.modules():
+        # transformers' untyped modules: only RoBERTa-style embeddings carry both attributes
+        padding_idx = getattr(module, "padding_idx", None)
+        table = getattr(module, "position_embeddings", None)
+        if isinstance(padding_idx, int) and isinstance(table, torch.nn.Embedding):
+            return padding_idx + 1
+    return 0
 
 
 def refuse_bypassing_model(config: Any) -> None:

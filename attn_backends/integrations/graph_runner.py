@@ -160,6 +160,13 @@ def _rows(x: torch.Tensor) -> torch.Tensor:
     return rows
 
 
+def _pad_token_id(model: Any) -> int:
+    """The config's ``pad_token_id`` (0 where it has none): what padding rows hold."""
+    # transformers' untyped config; not every config defines a pad token
+    pad = getattr(model.config, "pad_token_id", None)
+    return pad if isinstance(pad, int) and not isinstance(pad, bool) else 0
+
+
 class GraphRunner:
     """Run a transformers model (loaded with the integration) on packed batches in buckets.
 
@@ -168,8 +175,9 @@ class GraphRunner:
     elsewhere). ``capture`` (default: on CUDA with graph plans) captures and replays.
     ``backend``/``platform`` go to `select` (``cuda_graph=True`` with graph plans).
     ``position_offset`` and ``pad_token_id`` fill what a batch does not give: positions
-    restart at the offset (``pad_token_id + 1`` for RoBERTa-style models), padding rows hold
-    ``pad_token_id``.
+    restart at the offset, padding rows hold ``pad_token_id``. By default both follow the
+    model's own rule: the offset is ``padding_idx + 1`` for RoBERTa-style embeddings (XLM-R,
+    BGE-M3), else 0 (`_hf_models.position_offset`), the pad the config's ``pad_token_id``.
     """
 
     def __init__(
@@ -181,8 +189,8 @@ class GraphRunner:
         capture: bool | None = None,
         backend: str | None = None,
         platform: Platform | str | None = None,
-        position_offset: int = 0,
-        pad_token_id: int = 0,
+        position_offset: int | None = None,
+        pad_token_id: int | None = None,
         warmup: int = 2,
     ) -> None:
         if not buckets or not all(isinstance(b, GraphBucket) for b in buckets):
@@ -198,8 +206,10 @@ class GraphRunner:
             raise ParamsError("capture needs graph plans on a CUDA device")
         self.backend = backend
         self.platform = platform
-        self.position_offset = position_offset
-        self.pad_token_id = pad_token_id
+        self.position_offset = (
+            position_offset if position_offset is not None else _hf_models.position_offset(model)
+        )
+        self.pad_token_id = pad_token_id if pad_token_id is not None else _pad_token_id(model)
         self.warmup = warmup
         self.stats = RunnerStats()
         self._states: dict[GraphBucket, _BucketState] = {}
