@@ -461,3 +461,21 @@ def test_a_conformance_run_that_checked_numbers_says_how_many(tmp_path: Path) ->
         r"torch-sdpa: [1-9]\d* numeric case\(s\) compared with the float64", done.stdout
     )
     assert "NO NUMBERS CHECKED" not in done.stdout
+
+
+def test_a_backend_whose_plugin_failed_to_import_is_named_with_the_error(
+    site: PluginSite, tmp_path: Path
+) -> None:
+    """``pytest --attn-backend NAME`` for a plugin that does not import: one usage error that
+    names the import error, before collection; no traceback, no "no numbers" banner."""
+    site.add_module("broken_backend_plugin", "import a_kernel_library_that_is_not_installed\n")
+    site.add_dist("broken-backend", {"broken": "broken_backend_plugin"})
+    work = tmp_path / "work"
+    work.mkdir()
+    done = _conformance_run(work, "--attn-backend", "broken")
+    assert done.returncode == pytest.ExitCode.USAGE_ERROR, done.stdout[-3000:]
+    out = done.stdout + done.stderr
+    assert "--attn-backend 'broken' is not registered" in out
+    assert "plugins that failed to load: broken (import failed:" in out
+    assert "a_kernel_library_that_is_not_installed" in out
+    assert "Traceback" not in out and "NO NUMBERS CHECKED" not in out

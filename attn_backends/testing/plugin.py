@@ -119,6 +119,14 @@ def pytest_configure(config: pytest.Config) -> None:
     backends: list[str] = config.getoption("attn_backend")
     if not backends:
         return
+    from .._plugins._registry import get_registry  # after pytest parsed the options
+    from .suite import unregistered_message
+
+    registry = get_registry()
+    unknown = [name for name in backends if registry.get(name) is None]
+    if unknown:
+        # a usage error here, before collection: one line, no traceback, no summary banner
+        raise pytest.UsageError("; ".join(unregistered_message(name, registry) for name in unknown))
     allow_none: bool = config.getoption("attn_backend_allow_no_numbers")
     config.pluginmanager.register(NumbersChecked(backends, allow_none), "attn-backends-numbers")
     suite = str(_SUITE)

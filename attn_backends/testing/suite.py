@@ -47,6 +47,20 @@ GRAPH_BATCHES = ((5, 17, 1, 32), (40,), (3, 0, 9, 2, 11, 8), (96,))
 sequences with an empty one, and a batch that fills every row."""
 
 
+def unregistered_message(name: str, registry: Registry) -> str:
+    """Why ``--attn-backend NAME`` names no registered backend: the plugins that failed to load,
+    with their errors (a backend whose plugin did not import is the usual cause), and the
+    names that are registered."""
+    known = ", ".join(e.name for e in registry.entries()) or "none"
+    failed = [r for r in registry.records() if r.status == "failed"]
+    text = f"--attn-backend {name!r} is not registered"
+    if failed:
+        text += "; plugins that failed to load: " + "; ".join(
+            f"{r.name} ({r.error})" for r in failed
+        )
+    return f"{text}; registered: {known} (`attn-backends list` shows every plugin)"
+
+
 def _seed(text: str) -> int:
     return int.from_bytes(hashlib.sha256(text.encode()).digest()[:8], "little")
 
@@ -320,10 +334,7 @@ class NoCachePrefillConformance:
         for name in self._names(config):
             entry = registry.get(name)
             if entry is None:
-                known = ", ".join(e.name for e in registry.entries())
-                raise pytest.UsageError(
-                    f"--attn-backend {name!r} is not registered; known: {known}"
-                )
+                raise pytest.UsageError(unregistered_message(name, registry))
             caps = entry.capabilities
             if metafunc.function.__name__ == "test_numeric":
                 for case in conformance_cases(caps):
