@@ -229,3 +229,35 @@ def test_graph_plans_are_made_once_per_bucket_and_updated_per_batch(monkeypatch)
     assert qkv is not None and qkv.shape == (SMALL.max_tokens, 3 * 64), "one packed buffer"
     assert isinstance(plan, ab.GraphPlan)
     assert plan.params is not None and plan.params.input_lengths == (2, 2)
+
+
+def test_two_threads_sharing_one_runner_get_exactly_their_own_batches():
+    """A runner's bucket buffers are shared: its calls are serialized, so each thread's
+    output is what the same batch gives alone."""
+    import threading
+
+    model, _ = _models("qwen3")
+    runner = GraphRunner(model, [SMALL])
+    batches = [_batch(lengths, seed) for seed, lengths in enumerate([(5, 9, 1), (7, 3, 12, 2)])]
+    with torch.inference_mode():
+        runner(*batches[0][1:])  # the first batch runs eagerly through the integration
+        alone = [runner(ids, cu).clone() for _, ids, cu in batches]
+    got: dict[int, list[torch.Tensor]] = {0: [], 1: []}
+    start = threading.Barrier(2)
+
+    def work(index: int) -> None:
+        _, ids, cu = batches[index]
+        start.wait()
+        with torch.inference_mode():
+            for _ in range(20):
+                got[index].append(runner(ids, cu).clone())
+
+    threads = [threading.Thread(target=work, args=(i,)) for i in (0, 1)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    for index, outs in got.items():
+        assert len(outs) == 20
+        for out in outs:
+            assert torch.equal(out, alone[index]), index

@@ -216,6 +216,9 @@ class GraphRunner:
         self._pool: Any = None
         self._checked = False
         self._no_cache = "use_cache" in inspect.signature(model.forward).parameters
+        self._lock = threading.Lock()
+        """Serializes calls: a bucket's input buffers, plans and graph are one batch's at a
+        time (two threads on one runner wrote each other's buffers)."""
         self.attn_implementation = self._switch_attention(model)
 
     @staticmethod
@@ -265,7 +268,16 @@ class GraphRunner:
     ) -> torch.Tensor:
         """The last hidden state ``[1, T, C]`` of one packed batch: ``input_ids`` ``[1, T]``,
         ``cu_seq_lens`` its ``n + 1`` prefix sums, ``position_ids`` ``[1, T]`` (default:
-        restarting at ``position_offset``)."""
+        restarting at ``position_offset``). Calls from several threads run one at a time."""
+        with self._lock:
+            return self._call(input_ids, cu_seq_lens, position_ids)
+
+    def _call(
+        self,
+        input_ids: torch.Tensor,
+        cu_seq_lens: torch.Tensor | Sequence[int],
+        position_ids: torch.Tensor | None,
+    ) -> torch.Tensor:
         bounds = (
             _layout.cu_seqlens_bounds(cu_seq_lens)
             if isinstance(cu_seq_lens, torch.Tensor)
