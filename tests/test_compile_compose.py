@@ -148,3 +148,32 @@ def test_a_layer_the_example_never_reached_is_refused_by_name():
         torch.inference_mode(),
     ):
         model(input_ids=packed["input_ids"], position_ids=packed["position_ids"])
+
+
+def test_a_batch_prepared_in_one_thread_is_not_another_threads_forward():
+    """Thread A holds ``ready.batch`` open; thread B's plain forward of the same model, on a
+    batch of as many tokens but other boundaries, is the integration's own (a module-global
+    table made it run A's plans, 0.94 off)."""
+    import threading
+
+    model = _model("qwen3")
+    example = _batch((5, 9, 3), seed=1)
+    other = _batch((10, 7), seed=4)  # 17 tokens, as the example
+    want = _integration(model, other, "qwen3")
+    ready = compile_ready(model, example["input_ids"], example["cu_seq_lens_q"])
+    opened, done = threading.Event(), threading.Event()
+
+    def hold() -> None:
+        with ready.batch(example["cu_seq_lens_q"]):
+            opened.set()
+            done.wait(timeout=60)
+
+    holder = threading.Thread(target=hold)
+    holder.start()
+    try:
+        assert opened.wait(timeout=60)
+        got = _integration(model, other, "qwen3")
+    finally:
+        done.set()
+        holder.join()
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)

@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import contextlib
 import itertools
+import threading
 from collections.abc import Iterator, Mapping, Sequence
 from typing import Any
 
@@ -42,11 +43,22 @@ _HANDLE = "_attn_backends_handle"
 """The attribute holding an attention module's handle: an int that dynamo reads as a
 constant of the graph."""
 
-_table: dict[int, tuple[Any, object, int]] = {}
-"""handle -> (backend, plan, tokens) of the batch being served; filled by `CompileReady.batch`."""
+
+class _ThreadState(threading.local):
+    """What one thread is serving, never seen by another thread's forward."""
+
+    def __init__(self) -> None:
+        self.table: dict[int, tuple[Any, object, int]] = {}
+        """handle -> (backend, plan, tokens) of the batch this thread is serving; filled by
+        `CompileReady.batch`. Per thread: a module-global table made another thread's plain
+        forward run on this thread's plans."""
+        self.learning: list[CompileReady] = []
+        """The `CompileReady` whose example batch this thread is running (specs being
+        learned)."""
+
+
+_state = _ThreadState()
 _next_handle = itertools.count()
-_learning: list[CompileReady] = []
-"""The `CompileReady` whose example batch is running (its specs being learned)."""
 
 
 def _rows(x: torch.Tensor) -> torch.Tensor:
@@ -72,7 +84,7 @@ def prefill(
     """Varlen prefill attention of ``[tokens, H, D]`` rows on the plan prepared for
     ``handle`` (outside the compiled region, by `CompileReady.batch`); ``sinks``: the layer's
     attention-sink logits (transformers' ``s_aux``), checked by the contract."""
-    found = _table.get(handle)
+    found = _state.table.get(handle)
     if found is None:
         raise IntegrationError(
             f"attention handle {handle} has no prepared plan: call the compiled model inside "
@@ -111,7 +123,7 @@ def _attention(inner: Any) -> Any:
         is_causal: bool | None = None,
         **kwargs: Any,
     ) -> tuple[torch.Tensor, None]:
-        if torch.compiler.is_compiling() or _table:
+        if torch.compiler.is_compiling() or _state.table:
             # the module is transformers' (untyped): its handle is our own attribute
             handle: int | None = getattr(module, _HANDLE, None)
             if handle is None:
@@ -124,8 +136,8 @@ def _attention(inner: Any) -> Any:
             sinks = _hf_features.sinks_from_hf(module, kwargs, heads)
             out = prefill(_rows(query), _rows(key), _rows(value), handle, sinks)
             return out.view(1, seq, heads, head_dim), None
-        if _learning:
-            ready = _learning[-1]
+        if _state.learning:
+            ready = _state.learning[-1]
             _refuse_unsupported_call(module, query, key, value, dropout, kwargs)
             request = _hf_mask.request_of(attention_mask)
             spec = _spec_for(
@@ -142,7 +154,7 @@ def _attention(inner: Any) -> Any:
 
 def _mask(inner: Any) -> Any:
     def mask(*args: Any, **kwargs: Any) -> Any:
-        if torch.compiler.is_compiling() or _table:
+        if torch.compiler.is_compiling() or _state.table:
             return None  # the prepared plans hold the layout
         return inner(*args, **kwargs)
 
@@ -182,16 +194,16 @@ class CompileReady:
                 f"CompileReady.batch takes the prefix sums of a packed row, from 0 with no "
                 f"empty sequence; got {bounds[:6]}{'...' if len(bounds) > 6 else ''}"
             )
-        if _table:
+        if _state.table:
             raise IntegrationError("CompileReady.batch blocks do not nest")
         params = FMHAParams.from_lengths(lengths, device=self.device)
         for spec, handle in self.specs.items():
             chosen = select(spec, device=self.device, backend=self.backend).backend
-            _table[handle] = (chosen, chosen.prepare(params), bounds[-1])
+            _state.table[handle] = (chosen, chosen.prepare(params), bounds[-1])
         try:
             yield
         finally:
-            _table.clear()
+            _state.table.clear()
 
 
 def compile_ready(
@@ -245,12 +257,12 @@ def compile_ready(
         "max_length_k": longest,
         **forward_kwargs,
     }
-    _learning.append(ready)
+    _state.learning.append(ready)
     try:
         with torch.inference_mode():
             out = model(**kwargs)
     finally:
-        _learning.pop()
+        _state.learning.pop()
     hidden = out[0] if isinstance(out, tuple) else next(iter(out.values()))
     check_served(hidden, cu)
     if not ready.specs:
