@@ -177,3 +177,15 @@ def test_a_batch_prepared_in_one_thread_is_not_another_threads_forward():
         done.set()
         holder.join()
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+
+
+def test_a_model_switched_away_after_compile_ready_is_refused_by_batch():
+    model = _model("bert")
+    example = _batch((5, 9, 3), seed=1)
+    ready = compile_ready(model, example["input_ids"], example["cu_seq_lens_q"])
+    model.set_attn_implementation("eager")
+    with (
+        pytest.raises(IntegrationError, match="switched to attn_implementation='eager'"),
+        ready.batch(example["cu_seq_lens_q"]),
+    ):
+        pass

@@ -261,3 +261,17 @@ def test_two_threads_sharing_one_runner_get_exactly_their_own_batches():
         assert len(outs) == 20
         for out in outs:
             assert torch.equal(out, alone[index]), index
+
+
+def test_a_model_switched_to_another_attention_after_wrapping_is_refused():
+    """The runner must not keep running its own path (or the bucket rows through eager
+    attention without a mask) once the model was switched away from it."""
+    model, _ = _models("bert")
+    runner = GraphRunner(model, [SMALL])
+    _, ids, cu = _batch((5, 9), 0)
+    runner(ids, cu)
+    model.set_attn_implementation("eager")
+    with pytest.raises(ab.IntegrationError, match="switched to attn_implementation='eager'"):
+        runner(ids, cu)
+    model.set_attn_implementation(runner.attn_implementation)
+    runner(ids, cu)  # set back: served again

@@ -16,7 +16,7 @@ from typing import Any
 from .._model._errors import IntegrationError
 from .transformers import attention_forward
 
-__all__ = ["mark_ours", "require_ours"]
+__all__ = ["mark_ours", "require_ours", "require_still"]
 
 _OURS: set[int] = set()
 """``id`` of functions (kept alive by transformers' registry) that serve this library."""
@@ -47,3 +47,16 @@ def require_ours(model: Any, where: str) -> str:
             "sentence-transformers, attn_backends.integrations.sentence_transformers.load())"
         )
     return str(name)
+
+
+def require_still(model: Any, name: str, where: str) -> None:
+    """`IntegrationError` unless ``model`` still runs attention implementation ``name``, the one
+    ``where`` switched it to: a model switched to another implementation after wrapping must
+    not keep running the wrapper's prepared path."""
+    current = model.config._attn_implementation
+    if current != name:
+        raise IntegrationError(
+            f"{type(model).__name__} was switched to attn_implementation={current!r} after "
+            f"{where} switched it to {name!r}; call the model directly for {current!r}, or "
+            f"set it back (model.set_attn_implementation({name!r})) to use {where}"
+        )

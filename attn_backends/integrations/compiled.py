@@ -165,9 +165,11 @@ class CompileReady:
     """A model switched to ``<name>_compiled`` whose attention specs are known; see
     `compile_ready`."""
 
-    def __init__(self, model: torch.nn.Module, backend: str | None) -> None:
+    def __init__(self, model: torch.nn.Module, backend: str | None, name: str) -> None:
         self.model = model
         self.backend = backend
+        self.name = name
+        """The attention implementation `compile_ready` switched the model to."""
         self.device = next(model.parameters()).device
         self.specs: dict[AttentionSpec, int] = {}
         """Every attention spec of the model and its handle."""
@@ -196,6 +198,7 @@ class CompileReady:
             )
         if _state.table:
             raise IntegrationError("CompileReady.batch blocks do not nest")
+        _registered.require_still(self.model, self.name, "compile_ready")
         params = FMHAParams.from_lengths(lengths, device=self.device)
         for spec, handle in self.specs.items():
             chosen = select(spec, device=self.device, backend=self.backend).backend
@@ -233,9 +236,9 @@ def compile_ready(
     from transformers.masking_utils import AttentionMaskInterface
 
     name = _registered.require_ours(model, "compile_ready")
-    ready = CompileReady(model, backend)
+    compiled_name = name if name.endswith("_compiled") else f"{name}_compiled"
+    ready = CompileReady(model, backend, compiled_name)
     if not name.endswith("_compiled"):
-        compiled_name = f"{name}_compiled"
         AttentionInterface.register(
             compiled_name, _attention(AttentionInterface._global_mapping[name])
         )

@@ -269,6 +269,7 @@ class GraphRunner:
         """The last hidden state ``[1, T, C]`` of one packed batch: ``input_ids`` ``[1, T]``,
         ``cu_seq_lens`` its ``n + 1`` prefix sums, ``position_ids`` ``[1, T]`` (default:
         restarting at ``position_offset``). Calls from several threads run one at a time."""
+        _registered.require_still(self.model, self.attn_implementation, "GraphRunner")
         with self._lock:
             return self._call(input_ids, cu_seq_lens, position_ids)
 
