@@ -275,3 +275,27 @@ def test_a_model_switched_to_another_attention_after_wrapping_is_refused():
         runner(ids, cu)
     model.set_attn_implementation(runner.attn_implementation)
     runner(ids, cu)  # set back: served again
+
+
+def test_a_first_batch_of_one_sequence_proves_nothing_about_boundaries():
+    """LFM2 mixes tokens in convolutions outside attention: a packed batch of several
+    sequences is refused by the integration. A first batch of one sequence has no boundary, so
+    it must not let the next batch, of two, skip that proof (it was served, mixed)."""
+    config = transformers.Lfm2Config(
+        vocab_size=VOCAB,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        layer_types=["conv", "full_attention"],
+        use_cache=False,
+    )
+    torch.manual_seed(0)
+    model = transformers.AutoModel.from_config(config, attn_implementation=abt.register()).eval()
+    runner = GraphRunner(model, [SMALL])
+    _, one, cu_one = _batch((6,), 0)
+    runner(one, cu_one)
+    _, two, cu_two = _batch((5, 7), 1)
+    with pytest.raises(ab.IntegrationError, match="conv"):
+        runner(two, cu_two)

@@ -307,7 +307,10 @@ class GraphRunner:
         self.stats.buckets.append(bucket)
         if bucket is None or not self._checked:
             hidden = self._eager(input_ids, position_ids, bounds)
-            self._checked = True
+            # a batch of one sequence has no boundary to prove: the model's keeping sequences
+            # apart (and the integration's refusals of models that mix them) is proved by the
+            # first batch of several, which runs through the integration like this one
+            self._checked = len(lengths) > 1
             if bucket is None:
                 self.stats.eager += 1
                 return hidden
