@@ -299,3 +299,18 @@ def test_a_first_batch_of_one_sequence_proves_nothing_about_boundaries():
     _, two, cu_two = _batch((5, 7), 1)
     with pytest.raises(ab.IntegrationError, match="conv"):
         runner(two, cu_two)
+
+
+def test_unpack_hidden_accepts_a_runners_output():
+    """The runner proved its boundaries (the integration's checks on a batch of several), so
+    the caller's cu_seq_lens unpack its output (they were refused: "no attention layer
+    served these cu_seq_lens")."""
+    model, _ = _models("bert")
+    runner = GraphRunner(model, [SMALL])
+    for seed, lengths in enumerate([(5, 9, 1), (7, 3, 12)]):  # eager, then bucketed
+        _, ids, cu = _batch(lengths, seed)
+        bounds = torch.tensor(cu, dtype=torch.int32)
+        out = runner(ids, bounds)
+        parts = abt.unpack_hidden(out, bounds)
+        assert [p.shape[0] for p in parts] == list(lengths)
+        assert torch.equal(torch.cat(parts), out[0])

@@ -53,7 +53,7 @@ from .._model._spec import AttentionSpec
 from .._path._graph import GraphBucket, GraphPlan, slot_lengths
 from .._select._selector import select
 from . import _hf_features, _hf_models, _layout, _registered
-from ._packed import check_served
+from ._packed import check_served, mark_served
 from .transformers import _refuse_unsupported_call, _spec_for
 
 __all__ = ["GraphRunner", "RunnerStats"]
@@ -313,8 +313,19 @@ class GraphRunner:
             self._checked = len(lengths) > 1
             if bucket is None:
                 self.stats.eager += 1
-                return hidden
-        return self._bucketed(self._state(bucket), input_ids, position_ids, lengths)
+                return self._served(hidden, cu_seq_lens)
+        hidden = self._bucketed(self._state(bucket), input_ids, position_ids, lengths)
+        return self._served(hidden, cu_seq_lens)
+
+    @staticmethod
+    def _served(hidden: torch.Tensor, cu_seq_lens: torch.Tensor | Sequence[int]) -> torch.Tensor:
+        """``hidden``, with the caller's ``cu_seq_lens`` marked as served by attention that
+        kept the sequences apart (the runner proved it: this batch through the integration's
+        checks, or an earlier batch of several for the bucketed path), so that
+        `transformers.unpack_hidden` accepts the output."""
+        if isinstance(cu_seq_lens, torch.Tensor):
+            mark_served(cu_seq_lens)
+        return hidden
 
     # -- internals --------------------------------------------------------------------------
 
