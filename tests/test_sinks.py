@@ -63,9 +63,9 @@ def test_reference_sinks_of_minus_infinity_are_no_sinks():
 def test_reference_takes_sinks_exactly_with_the_flag():
     spec = _spec()
     params, qkv, sinks = _batch(spec, (3,))
-    with pytest.raises(ValueError, match="attention_sinks"):
+    with pytest.raises(ab.InvalidArgumentError, match="attention_sinks"):
         ab.reference_attention(qkv, spec, params)
-    with pytest.raises(ValueError, match="attention_sinks"):
+    with pytest.raises(ab.InvalidArgumentError, match="attention_sinks"):
         ab.reference_attention(qkv, _spec(attention_sinks=False), params, sinks=sinks)
 
 

@@ -11,6 +11,7 @@ from typing import cast
 
 import torch
 
+from .._model._errors import InvalidArgumentError
 from .._model._feature_table import FEATURES
 from .._model._params import FMHAParams
 from .._model._spec import AttentionSpec
@@ -170,7 +171,7 @@ def reference_attention(
     Computed on ``compute_device`` (default: the buffer's device; a GPU does float64 too).
     """
     if spec.attention_sinks != (sinks is not None):
-        raise ValueError(
+        raise InvalidArgumentError(
             "reference_attention takes sinks exactly when the spec has attention_sinks "
             f"(attention_sinks={spec.attention_sinks}, sinks given: {sinks is not None})"
         )
