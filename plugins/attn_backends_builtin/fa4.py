@@ -41,8 +41,10 @@ depends on the batch too (its longest sequence, whether it has more than 256 seq
 only on the spec, so this backend lists no `KernelModule` for warm-up's estimate: the count
 would be wrong.
 
-Priority: policy, not measured: 95, below flashinfer (100), above torch-varlen (60), flex (50)
-and torch-sdpa (0).
+Priority: none yet. fa4 has not passed its conformance suite on hardware (on the H200 of
+2026-12-03 the carried CuTe DSL lacked ``cutlass.cute``, docs/hardware-verification.md), so it
+runs only when chosen by name (``backend="fa4"``, ``ATTN_BACKEND=fa4``); its rank against
+flashinfer and torch-varlen comes from the measurement once it runs.
 """
 
 from __future__ import annotations
@@ -62,7 +64,6 @@ from attn_backends.plugin import (
     Capabilities,
     PluginManifest,
     PrefillBackend,
-    PriorityRule,
     QKVViews,
     Reason,
     ReasonCode,
@@ -185,15 +186,7 @@ class Fa4Backend(PrefillBackend):
         max_sm=110,
         features=(WindowSupport(), SoftcapSupport(), SinkSupport()),
         requires=("flash_attn",),
-        priority=(
-            PriorityRule(
-                "cuda",
-                95,
-                min_sm=90,
-                note="below flashinfer (100) until measured on the H200; torch-varlen 60, "
-                "flex 50, torch-sdpa 0",
-            ),
-        ),
+        priority=(),  # chosen by name only until verified on hardware (see the module)
     )
 
     def extra_reasons(self, spec: AttentionSpec, platform: Platform) -> list[Reason]:
