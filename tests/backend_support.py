@@ -1,7 +1,10 @@
-"""What the tests of one GPU backend on the CPU share (torch-varlen, fa4): a spec by its few
-varying fields, the reason codes a backend gives, a packed batch, the numeric check."""
+"""What the tests of one backend on the CPU share (torch-varlen, fa4, flex): a spec by its few
+varying fields, the reason codes a backend gives, a packed batch, the numeric check, a registry
+of chosen built-in plugins."""
 
 from __future__ import annotations
+
+from types import ModuleType
 
 import torch
 
@@ -44,3 +47,11 @@ def check_numbers(
     ref = ab.reference_attention(pristine, spec, params)
     err = ab.relative_error(out, ref)
     assert err < ab.TOLERANCE[spec.dtype], f"relative error {err:.3g}"
+
+
+def registry_of(plugins: dict[str, ModuleType]) -> ab.Registry:
+    """A registry holding only ``plugins`` (name -> built-in plugin module), for rank tests."""
+    reg = ab.Registry()
+    for name, module in plugins.items():
+        reg.register_plugin(module, name=name)
+    return reg

@@ -14,6 +14,7 @@ import torch
 from attn_backends_builtin import flashinfer, flex, headwise, torch_sdpa
 
 import attn_backends as ab
+from tests.backend_support import registry_of
 
 CPU = ab.detect_platform("cpu")
 SM90 = ab.Platform(kind="cuda", arch="sm90", libraries=(("flashinfer", "assumed"),))
@@ -27,15 +28,9 @@ STRIDE_EXTRA = 24
 @pytest.fixture(scope="module")
 def registry() -> ab.Registry:
     """The built-in backends that serve these features, flex included."""
-    reg = ab.Registry()
-    for name, module in (
-        ("torch-sdpa", torch_sdpa),
-        ("flashinfer", flashinfer),
-        ("headwise", headwise),
-        ("flex", flex),
-    ):
-        reg.register_plugin(module, name=name)
-    return reg
+    return registry_of(
+        {"torch-sdpa": torch_sdpa, "flashinfer": flashinfer, "headwise": headwise, "flex": flex}
+    )
 
 
 def spec_of(causal: bool, *, kv_heads: int = 2, dtype: torch.dtype = torch.float32, **kw):

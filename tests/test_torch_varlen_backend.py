@@ -27,7 +27,13 @@ from attn_backends_builtin.torch_varlen import (
 import attn_backends as ab
 import attn_backends.plugin as abp
 from attn_backends.testing import NoCachePrefillConformance
-from tests.backend_support import check_numbers, packed_input, reason_codes, spec_of
+from tests.backend_support import (
+    check_numbers,
+    packed_input,
+    reason_codes,
+    registry_of,
+    spec_of,
+)
 from tests.fakes.fake_torch_varlen import SIGNATURES, FakeVarlen
 
 SM90 = ab.Platform(kind="cuda", arch="sm90")
@@ -332,15 +338,14 @@ def test_ranks_above_sdpa_and_flex_below_flashinfer(spec, platform):
 @pytest.fixture(scope="module")
 def registry() -> ab.Registry:
     """torch-varlen and the built-in backends it is ranked against."""
-    reg = ab.Registry()
-    for name, module in (
-        ("torch-sdpa", torch_sdpa),
-        ("flashinfer", flashinfer),
-        ("flex", flex),
-        ("torch-varlen", torch_varlen),
-    ):
-        reg.register_plugin(module, name=name)
-    return reg
+    return registry_of(
+        {
+            "torch-sdpa": torch_sdpa,
+            "flashinfer": flashinfer,
+            "flex": flex,
+            "torch-varlen": torch_varlen,
+        }
+    )
 
 
 @pytest.mark.parametrize("platform", ["cuda:sm80", "cuda:sm90"])
