@@ -18,7 +18,6 @@ from collections.abc import Mapping, Sequence
 
 import torch
 
-from . import __version__
 from ._backend._capabilities import check_platform
 from ._cli import _cli_args
 from ._cli._cli_args import CommandLineError, CommandParser, unrecognized
@@ -38,6 +37,7 @@ from ._plugins._registry import get_registry
 from ._select._canary import run_canary
 from ._select._selector import BACKEND_ENV, Selection, SelectRequest, select_request
 from ._select._warmup import warmup
+from ._version import __version__
 
 __all__ = ["build_parser", "main", "spec_from_args"]
 
@@ -159,7 +159,7 @@ def _add_spec_args(parser: CommandParser) -> None:
         "--backend",
         metavar="NAME",
         help=f"explicit backend, refused with reasons if it does not fit (default: "
-        f"${BACKEND_ENV}, else by priority)",
+        f"${BACKEND_ENV}, else by the ranking table)",
     )
     s.add_argument("--kv-cache", action="store_true", help="a KV cache is present")
     s.add_argument(
@@ -393,7 +393,9 @@ def _build() -> tuple[CommandParser, dict[str, CommandParser]]:
         help="cpu, cuda or cuda:<index> (default: cuda when available)",
     )
     p_warmup.set_defaults(func=cmd_warmup)
-    for name, command in installed_subcommands(sub.choices).items():  # bench, when installed
+    for name, command in installed_subcommands(
+        sub.choices
+    ).items():  # other distributions' commands
         p_extra = sub.add_parser(
             name, help=command.help, description=command.description, allow_abbrev=False
         )

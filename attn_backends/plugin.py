@@ -3,16 +3,17 @@
 Engines import `attn_backends`; a plugin imports the shared values from there (`AttentionSpec`,
 `FMHAParams`, `Platform`, `PrefillPlan`, the errors) and what only an author needs from here:
 the base class and its plan types, capabilities as data, structured refusals, the hook that
-registers backends (and the RoPE passes a plugin brings, in its manifest), and the entry-point
-groups. The built-in plugins use this module and `attn_backends` only; an import-linter
-contract keeps it that way.
+registers backend classes (with their `Rank` and the RoPE passes a plugin brings, in its
+manifest), and the entry-point groups. The built-in plugins use this module, `attn_backends`
+and `attn_backends.errors` only; an import-linter contract keeps it that way.
 """
 
 from __future__ import annotations
 
-from ._backend._backend import PrefillBackend
-from ._backend._capabilities import Capabilities, PriorityRule, check_capabilities
+from ._backend._backend import Binding, PrefillBackend
+from ._backend._capabilities import Capabilities, check_capabilities
 from ._backend._kernels import KernelModule
+from ._backend._protocol import BackendClass
 from ._cli._cli_commands import COMMAND_GROUP, Subcommand
 from ._model._dtypes import dtype_name
 from ._model._feature_table import (
@@ -30,8 +31,8 @@ from ._model._features import bloom_alibi_slopes
 from ._model._reasons import Reason, ReasonCode
 from ._path._contract import AnyPlan, InputLayout, QKVViews
 from ._path._preprocess import preprocess_mode
-from ._path._rope_passes import RopePass
-from ._plugins._hooks import ENTRY_POINT_GROUP, PLUGIN_API_VERSION, PluginManifest, hookimpl
+from ._path._rope_passes import RopePass, register_rope_pass, rope_passes
+from ._plugins._hooks import ENTRY_POINT_GROUP, PLUGIN_API_VERSION, PluginManifest, Rank, hookimpl
 
 __all__ = [
     "COMMAND_GROUP",
@@ -39,6 +40,8 @@ __all__ = [
     "PLUGIN_API_VERSION",
     "AlibiSupport",
     "AnyPlan",
+    "BackendClass",
+    "Binding",
     "Capabilities",
     "ChunkSupport",
     "FeatureSupport",
@@ -49,8 +52,8 @@ __all__ = [
     "MlaSupport",
     "PluginManifest",
     "PrefillBackend",
-    "PriorityRule",
     "QKVViews",
+    "Rank",
     "Reason",
     "ReasonCode",
     "RopePass",
@@ -63,4 +66,6 @@ __all__ = [
     "dtype_name",
     "hookimpl",
     "preprocess_mode",
+    "register_rope_pass",
+    "rope_passes",
 ]

@@ -9,6 +9,9 @@ from types import ModuleType
 import torch
 
 import attn_backends as ab
+import attn_backends.plugin as abp
+from attn_backends.deploy import Registry
+from attn_backends.reference import TOLERANCE, relative_error
 
 
 def spec_of(
@@ -22,7 +25,7 @@ def spec_of(
 
 
 def reason_codes(
-    backend: ab.NoCachePrefill, spec: ab.AttentionSpec, platform: ab.Platform | str
+    backend: type[abp.PrefillBackend], spec: ab.AttentionSpec, platform: ab.Platform | str
 ) -> set[ab.ReasonCode]:
     """The codes of ``backend``'s refusal of ``spec`` on ``platform`` (empty: it serves it)."""
     where = ab.parse_platform(platform) if isinstance(platform, str) else platform
@@ -45,13 +48,13 @@ def check_numbers(
     out: torch.Tensor, pristine: torch.Tensor, spec: ab.AttentionSpec, params: ab.FMHAParams
 ) -> None:
     ref = ab.reference_attention(pristine, spec, params)
-    err = ab.relative_error(out, ref)
-    assert err < ab.TOLERANCE[spec.dtype], f"relative error {err:.3g}"
+    err = relative_error(out, ref)
+    assert err < TOLERANCE[spec.dtype], f"relative error {err:.3g}"
 
 
-def registry_of(plugins: dict[str, ModuleType]) -> ab.Registry:
+def registry_of(plugins: dict[str, ModuleType]) -> Registry:
     """A registry holding only ``plugins`` (name -> built-in plugin module), for rank tests."""
-    reg = ab.Registry()
+    reg = Registry()
     for name, module in plugins.items():
         reg.register_plugin(module, name=name)
     return reg

@@ -3,16 +3,35 @@ instead of installing a distribution (see ``tests/plugin_site.py`` for that)."""
 
 from __future__ import annotations
 
-import attn_backends as ab
+from collections.abc import Sequence
+
 import attn_backends.plugin as abp
 
 
 class StaticPlugin:
-    """Registers the given backend instances, at API version 1.0."""
+    """Registers the given backend classes, with their ranks, at the host's API version.
 
-    def __init__(self, *backends: ab.NoCachePrefill) -> None:
+    ``first_on``: a platform kind on which each backend ranks right before ``torch-sdpa``
+    (the one built-in every test registry holds), the usual way a test backend wins.
+    """
+
+    def __init__(
+        self,
+        *backends: object,
+        ranks: Sequence[abp.Rank] = (),
+        first_on: str | None = None,
+    ) -> None:
         self.backends = backends
+        placed = [
+            abp.Rank(str(getattr(b, "name", "")), before="torch-sdpa", platform=first_on)  # type: ignore[arg-type]
+            for b in (backends if first_on is not None else ())
+        ]  # names read only when asked for: a test backend's name may raise on purpose
+        self.ranks = (*ranks, *placed)
 
     @abp.hookimpl
     def attn_backends_register(self, host_api_version: str) -> abp.PluginManifest:
-        return abp.PluginManifest(api_version="1.0", backends=list(self.backends))
+        return abp.PluginManifest(
+            api_version=abp.PLUGIN_API_VERSION,
+            backends=list(self.backends),  # type: ignore[arg-type]
+            ranks=list(self.ranks),
+        )

@@ -31,6 +31,10 @@ from attn_backends_builtin import aiter as aiter_plugin
 
 import attn_backends as ab
 import attn_backends.plugin as abp
+from attn_backends._select._ranking import ranked
+from attn_backends.deploy import get_registry
+from attn_backends.errors import BackendFailure
+from attn_backends.reference import TOLERANCE, relative_error
 from attn_backends.testing import NoCachePrefillConformance
 from tests.aiter_signatures import ENTRY_POINTS, NEWEST, OLDEST, RELEASES, Release
 from tests.fakes import fake_aiter
@@ -114,7 +118,7 @@ class Run:
         ref = ab.reference_attention(
             self.pristine, self.spec, self.params, fp8_scales=self.fp8_scales
         )
-        return ab.relative_error(self.out, ref)
+        return relative_error(self.out, ref)
 
 
 def assert_views_of_packed(run: Run, args: dict[str, object]) -> None:
@@ -165,7 +169,7 @@ def fake(monkeypatch, release):
 
 
 def test_one_plugin_registers_both_backends():
-    registry = ab.get_registry()
+    registry = get_registry()
     for name in ("aiter-asm", "aiter-nonasm"):
         entry = registry.get(name)
         assert entry is not None and entry.plugin == "aiter"
@@ -178,13 +182,11 @@ def test_aiter_is_imported_only_by_prepare_and_failures_are_named(monkeypatch):
     importlib.reload(_aiter_common)
     module = importlib.reload(aiter_plugin)
     spec = spec_of()
-    backend = module.AiterAsmBackend().bind(spec, GFX942)
+    backend = module.AiterAsmBackend.bind(spec, GFX942)
     assert backend.supports(spec, GFX942) == []
     assert "aiter" not in sys.modules
     params = ab.FMHAParams.from_lengths([3], device="cpu")
-    with pytest.raises(
-        ab.BackendFailure, match=r"cannot import aiter \(RuntimeError: ROCm"
-    ) as info:
+    with pytest.raises(BackendFailure, match=r"cannot import aiter \(RuntimeError: ROCm") as info:
         backend.prepare(params)
     assert isinstance(info.value.__cause__, RuntimeError)
 
@@ -213,17 +215,16 @@ def test_declared_capabilities():
         assert not caps.needs_contiguous and caps.requires == ("aiter",)
         assert not caps.fp8_preprocess and not caps.cuda_graph
     rocm = ab.parse_platform("rocm:gfx942")
-    scores = [
-        backend.capabilities.priority_for(spec_of(), rocm)
-        for backend in (aiter_plugin.AiterAsmBackend(), aiter_plugin.AiterNonAsmBackend())
-    ]
-    assert [rule.score for rule in scores if rule is not None] == [200, 100]
+    line = [p.entry.name for p in ranked(spec_of(), rocm, get_registry().snapshot().entries)]
+    asm_at, ck_at = line.index("aiter-asm"), line.index("aiter-nonasm")
+    assert (asm_at, ck_at) == (0, 1), "ASM kernels first, then CK, on ROCm"
+    assert line.index("torch-sdpa") > ck_at
 
 
 def test_fp8_with_rope_is_refused_since_aiter_quantises_before_rotating():
     rope = ab.RopeSpec(theta=10000.0)
     spec = spec_of(torch.float8_e4m3fnuz, rope=rope)
-    reasons = aiter_plugin.AiterNonAsmBackend().supports(spec, GFX942)
+    reasons = aiter_plugin.AiterNonAsmBackend.supports(spec, GFX942)
     assert ab.ReasonCode.FP8 in {r.code for r in reasons}, reasons
     assert "Fp8Support(preprocess=True)" in " ".join(r.message for r in reasons)
 
@@ -254,7 +255,7 @@ def test_fp8_with_rope_is_refused_since_aiter_quantises_before_rotating():
     ],
 )
 def test_refusals_name_their_reason(backend, spec, platform, code):
-    impl = aiter_plugin.AiterAsmBackend() if backend == "asm" else aiter_plugin.AiterNonAsmBackend()
+    impl = aiter_plugin.AiterAsmBackend if backend == "asm" else aiter_plugin.AiterNonAsmBackend
     reasons = impl.supports(spec, platform)
     assert code in {r.code for r in reasons}, reasons
     assert all(r.message for r in reasons)
@@ -273,12 +274,12 @@ def test_refusals_name_their_reason(backend, spec, platform, code):
     ],
 )
 def test_declared_requests_are_accepted(backend, spec, platform):
-    impl = aiter_plugin.AiterAsmBackend() if backend == "asm" else aiter_plugin.AiterNonAsmBackend()
+    impl = aiter_plugin.AiterAsmBackend if backend == "asm" else aiter_plugin.AiterNonAsmBackend
     assert impl.supports(spec, platform) == []
 
 
 def test_asm_refuses_gfx942_parts_aiter_ships_no_kernels_for(monkeypatch):
-    backend = aiter_plugin.AiterAsmBackend()
+    backend = aiter_plugin.AiterAsmBackend
     assert _aiter_common.local_cu_count(GFX942) is None  # CPU machine: nothing to probe
     assert _aiter_common.local_cu_count(ab.parse_platform("rocm:gfx942")) is None  # dry run
     monkeypatch.setattr(aiter_plugin, "local_cu_count", lambda platform: 228)
@@ -316,7 +317,7 @@ def test_asm_calls_the_asm_kernel_with_views_and_spec_flags(fake, release, causa
     assert run.binding.aiter_version == release.version
     assert run.out.shape == (run.params.token_q_num, spec.q_width)
     assert run.out.dtype == torch.bfloat16
-    assert run.error() < ab.TOLERANCE[torch.bfloat16]
+    assert run.error() < TOLERANCE[torch.bfloat16]
 
 
 @pytest.mark.parametrize(
@@ -339,7 +340,7 @@ def test_nonasm_passes_windows_and_the_softcap_as_the_ck_op_reads_them(
     for name, value in expected.items():
         assert call.args[name] == value and type(call.args[name]) is type(value), name
     assert call.args["alibi_slopes"] is None
-    assert run.error() < ab.TOLERANCE[torch.float16]
+    assert run.error() < TOLERANCE[torch.float16]
 
 
 @pytest.mark.parametrize("causal", [True, False], ids=["causal", "bidirectional"])
@@ -349,8 +350,8 @@ def test_nonasm_passes_alibi_slopes_as_float32_heads_made_once(fake, causal):
     slopes = [call.args["alibi_slopes"] for call in fake.calls]
     assert slopes[0] is slopes[1], "one device tensor per slopes and device, not one per batch"
     assert slopes[0].dtype == torch.float32 and slopes[0].shape == (spec.num_heads,)
-    assert slopes[0].tolist() == pytest.approx(ab.bloom_alibi_slopes(spec.num_heads))
-    assert max(first.error(), second.error()) < ab.TOLERANCE[torch.bfloat16]
+    assert slopes[0].tolist() == pytest.approx(abp.bloom_alibi_slopes(spec.num_heads))
+    assert max(first.error(), second.error()) < TOLERANCE[torch.bfloat16]
 
 
 @pytest.mark.parametrize(
@@ -364,13 +365,13 @@ def test_nonasm_passes_alibi_slopes_as_float32_heads_made_once(fake, causal):
 )
 def test_fp8_with_features_is_refused_by_name(features):
     spec = spec_of(torch.float8_e4m3fnuz, **features)
-    reasons = aiter_plugin.AiterNonAsmBackend().supports(spec, GFX942)
+    reasons = aiter_plugin.AiterNonAsmBackend.supports(spec, GFX942)
     assert any("FP8 varlen entry point" in r.message for r in reasons), reasons
 
 
 def test_softcap_is_refused_when_aiter_would_build_the_softsign_formula(monkeypatch):
     spec = spec_of(torch.bfloat16, logit_softcap=30.0)
-    backend = aiter_plugin.AiterNonAsmBackend()
+    backend = aiter_plugin.AiterNonAsmBackend
     assert backend.supports(spec, GFX942) == []
     monkeypatch.setenv("CK_TILE_ATTENTION_LOGITS_SOFT_CAP_DEFAULT", "1")
     (reason,) = backend.supports(spec, GFX942)
@@ -415,7 +416,7 @@ def test_nonasm_calls_the_ck_op_with_views_and_spec_flags(fake, release, spec):
     )
     assert run.out.shape == (run.params.token_q_num, spec.q_width)
     assert run.out.dtype == spec.dtype
-    assert run.error() < ab.TOLERANCE[spec.dtype]
+    assert run.error() < TOLERANCE[spec.dtype]
 
 
 @pytest.mark.parametrize(
@@ -456,10 +457,10 @@ def test_fp8_goes_to_the_fp8_entry_point_with_the_releases_descales(
         assert args["softmax_scale"] == pytest.approx(spec.scale * scales[0] * scales[1])
     assert run.out.shape == (run.params.token_q_num, spec.q_width)
     assert run.out.dtype == torch.bfloat16
-    assert run.error() < ab.TOLERANCE[dtype]
+    assert run.error() < TOLERANCE[dtype]
     # The check has teeth: the same output read without the scales is far off.
     unscaled = ab.reference_attention(run.pristine, spec, run.params)
-    assert ab.relative_error(run.out, unscaled) > 0.5
+    assert relative_error(run.out, unscaled) > 0.5
 
 
 def test_fp8_descales_cost_no_copy_and_no_new_tensor_per_forward(monkeypatch):
@@ -507,7 +508,7 @@ def test_prepare_reads_each_signature_once_and_forward_only_launches(fake, monke
     params = ab.FMHAParams.from_lengths([4, 9], device="cpu")
     plan = backend.prepare(params)
     backend.prepare(params)
-    aiter_plugin.AiterNonAsmBackend().bind(spec, GFX942).prepare(params)
+    aiter_plugin.AiterNonAsmBackend.bind(spec, GFX942).prepare(params)
     assert reads == ["mha_varlen_fwd"]
     assert fake.calls == [] and fake.accessed == ["mha_varlen_fwd"] * 3
     qkv = torch.randn(params.rows, spec.qkv_width, generator=torch.Generator().manual_seed(1))
@@ -612,7 +613,7 @@ def test_an_unknown_parameter_list_is_refused_at_prepare(
 ):
     fake = install(monkeypatch, "gfx942", release=_future_release(tmp_path, edit))
     selection = ab.select(spec_of(dtype), backend=backend, platform=GFX942)
-    with pytest.raises(ab.BackendFailure, match=match) as info:
+    with pytest.raises(BackendFailure, match=match) as info:
         selection.backend.prepare(ab.FMHAParams.from_lengths([3], device="cpu"))
     assert "0.1.7 to 0.1.20.post1" in str(info.value)
     assert fake.calls == []
@@ -622,7 +623,7 @@ def test_positional_only_parameters_are_refused_at_prepare(monkeypatch, tmp_path
     edit = ("    is_causal: bool,\n", "    is_causal: bool,\n    /,\n")
     install(monkeypatch, "gfx942", release=_future_release(tmp_path, edit))
     backend = ab.select(spec_of(torch.float16), platform=GFX942).backend
-    with pytest.raises(ab.BackendFailure, match="cannot be called by keyword"):
+    with pytest.raises(BackendFailure, match="cannot be called by keyword"):
         backend.prepare(ab.FMHAParams.from_lengths([3], device="cpu"))
 
 
@@ -630,7 +631,7 @@ def test_an_op_whose_source_cannot_be_read_is_refused_at_prepare(monkeypatch):
     install(monkeypatch, "gfx942")
     monkeypatch.delitem(sys.modules, "aiter.ops.mha")
     backend = ab.select(spec_of(torch.float16), platform=GFX942).backend
-    with pytest.raises(ab.BackendFailure, match=r"cannot read the parameters of aiter's mha_v"):
+    with pytest.raises(BackendFailure, match=r"cannot read the parameters of aiter's mha_v"):
         backend.prepare(ab.FMHAParams.from_lengths([3], device="cpu"))
 
 
@@ -722,7 +723,7 @@ def test_fake_computes_aiter_attention(release):
     fake = FakeAiter(release=release)
     out = fake.mha_varlen_fwd(*head, **op_kwargs(release, softmax_scale=spec.scale))[0]
     ref = ab.reference_attention(packed, spec, params)
-    assert ab.relative_error(out.reshape(params.token_q_num, -1), ref) < ab.TOLERANCE[spec.dtype]
+    assert relative_error(out.reshape(params.token_q_num, -1), ref) < TOLERANCE[spec.dtype]
 
 
 def test_fake_propagates_nan_instead_of_hiding_it():
@@ -929,13 +930,15 @@ def _verdicts(selection: ab.Selection) -> dict[str, ab.Candidate]:
 
 def test_selection_on_gfx942_prefers_asm_for_bf16_d128():
     selection = ab.select(spec_of(), platform="rocm:gfx942")
-    assert selection.name == "aiter-asm" and selection.source == "priority"
+    assert selection.name == "aiter-asm" and selection.source == "ranking"
     cands = _verdicts(selection)
-    assert cands["aiter-nonasm"].verdict == "eligible" and cands["aiter-nonasm"].priority == 100
-    assert cands["torch-sdpa"].verdict == "eligible" and cands["torch-sdpa"].priority == 0
+    assert cands["aiter-asm"].rank == 1
+    assert cands["aiter-nonasm"].verdict == "eligible" and cands["aiter-nonasm"].rank == 2
+    assert cands["torch-sdpa"].verdict == "eligible" and cands["torch-sdpa"].rank == 3
     assert dict(selection.details)["aiter_entry"] == "fmha_v3_varlen_fwd"
     text = selection.explain()
-    assert "selected: aiter-asm (by priority)" in text
+    assert "selected: aiter-asm (by ranking)" in text
+    assert "decided by: row " in text and ": aiter-asm on rocm (" in text
     assert "eligible  aiter-nonasm" in text
 
 
@@ -961,7 +964,7 @@ def test_selection_falls_to_nonasm_and_records_why_asm_lost(spec, platform, code
     loser = _verdicts(selection)["aiter-asm"]
     assert loser.verdict == "rejected" and code in {r.code for r in loser.reasons}
     text = selection.explain()
-    assert "selected: aiter-nonasm (by priority)" in text
+    assert "selected: aiter-nonasm (by ranking)" in text
     assert f"[{code.value}]" in text
 
 

@@ -13,6 +13,8 @@ from attn_backends_builtin.flashinfer import FlashinferBackend
 
 import attn_backends as ab
 import attn_backends.plugin as abp
+from attn_backends.deploy import Registry
+from attn_backends.reference import TOLERANCE, relative_error
 from tests.fakes.fake_flashinfer import install
 from tests.spec_support import batch
 
@@ -206,7 +208,7 @@ def test_default_alibi_slopes_are_blooms(heads):
 
     bias = build_alibi_tensor(torch.ones(1, 2), heads, torch.float32)  # [heads, 1, 2]
     theirs = bias[:, 0, 1].to(torch.float64)
-    ours = torch.tensor(ab.bloom_alibi_slopes(heads), dtype=torch.float64)
+    ours = torch.tensor(abp.bloom_alibi_slopes(heads), dtype=torch.float64)
     torch.testing.assert_close(ours, theirs, rtol=1e-6, atol=0)
 
 
@@ -279,8 +281,8 @@ def test_torch_sdpa_window_and_alibi(dtype, causal):
     params, qkv = batch(spec, lengths, pad=3, seed=1)
     sel = ab.select(spec, backend="torch-sdpa", platform=CPU)
     out = sel.backend.forward(qkv[:, :].clone(), sel.backend.prepare(params))
-    err = ab.relative_error(out, ab.reference_attention(qkv, spec, params))
-    assert err < ab.TOLERANCE[dtype]
+    err = relative_error(out, ab.reference_attention(qkv, spec, params))
+    assert err < TOLERANCE[dtype]
 
 
 def test_softcap_is_refused_by_torch_sdpa_with_the_reason():
@@ -292,11 +294,11 @@ def test_softcap_is_refused_by_torch_sdpa_with_the_reason():
     assert "logit_softcap" in str(info.value)
 
 
-def _registry_with(*backends: abp.PrefillBackend) -> ab.Registry:
+def _registry_with(*backends: type[abp.PrefillBackend], ranks: list[abp.Rank]) -> Registry:
     from tests.static_plugin import StaticPlugin
 
-    registry = ab.Registry()
-    registry.register_plugin(StaticPlugin(*backends), name="features-test")
+    registry = Registry()
+    registry.register_plugin(StaticPlugin(*backends, ranks=ranks), name="features-test")
     return registry
 
 
@@ -306,12 +308,11 @@ def test_selector_falls_through_to_a_backend_declaring_the_feature():
     class Plain(TorchSdpaBackend):
         name = "plain"
         capabilities = abp.Capabilities(
-            platforms=frozenset({"cpu"}),
-            dtypes=frozenset({torch.float32}),
-            priority=(abp.PriorityRule("cpu", 500),),
+            platforms=frozenset({"cpu"}), dtypes=frozenset({torch.float32})
         )
 
-    registry = _registry_with(Plain(), TorchSdpaBackend())
+    first = abp.Rank("plain", before="torch-sdpa", platform="cpu")
+    registry = _registry_with(Plain, TorchSdpaBackend, ranks=[first])
     plain = ab.select(spec_of(), platform=CPU, registry=registry)
     assert plain.name == "plain"
     for kw, code in (
@@ -339,7 +340,7 @@ def test_flashinfer_plans_window_and_softcap(fake, causal):
     backend = ab.select(spec, backend="flashinfer", platform=SM90).backend
     params, qkv = batch(spec, (9, 1, 6), pad=2)
     out = backend.forward(qkv.clone(), backend.prepare(params))
-    assert ab.relative_error(out, ab.reference_attention(qkv, spec, params)) < 1e-2
+    assert relative_error(out, ab.reference_attention(qkv, spec, params)) < 1e-2
     a = fake.named(PLAN)[-1].args
     assert a["window_left"] == 3 and a["logits_soft_cap"] == 20.0
     assert a["causal"] is True, "a left-only window sees no later key: planned causal"
@@ -348,23 +349,23 @@ def test_flashinfer_plans_window_and_softcap(fake, causal):
 
 
 def test_flashinfer_plans_alibi_on_fa2(fake):
-    spec = spec_of(True, torch.float16, alibi=ab.AlibiSpec(ab.bloom_alibi_slopes(8)))
+    spec = spec_of(True, torch.float16, alibi=ab.AlibiSpec(abp.bloom_alibi_slopes(8)))
     backend = ab.select(spec, backend="flashinfer", platform=SM90).backend
     params, qkv = batch(spec, (12, 3))
     out = backend.forward(qkv.clone(), backend.prepare(params))
-    assert ab.relative_error(out, ab.reference_attention(qkv, spec, params)) < 5e-3
+    assert relative_error(out, ab.reference_attention(qkv, spec, params)) < 5e-3
     a = fake.named(PLAN)[-1].args
     assert a["pos_encoding_mode"] == "ALIBI" and a["window_left"] == -1
     assert a["logits_soft_cap"] is None
     assert fake.named("BatchPrefillWithRaggedKVCacheWrapper.__init__")[-1].args["backend"] == "fa2"
-    (module,) = FlashinferBackend().jit_modules(spec, 90)
+    (module,) = FlashinferBackend.jit_modules(spec, 90)
     assert (module.kind, module.pos_encoding) == ("fa2", 2)
     assert str(module) == "fa2 float16 d64 posenc=ALIBI"
 
 
 def test_flashinfer_jit_module_names_the_variants():
     spec = spec_of(True, torch.bfloat16, window=ab.SlidingWindow.causal(8), logit_softcap=5.0)
-    (module,) = FlashinferBackend().jit_modules(spec, 90)
+    (module,) = FlashinferBackend.jit_modules(spec, 90)
     assert module.sliding_window and module.logit_softcap and module.pos_encoding == 0
     assert str(module) == "fa3 bfloat16 d64 posenc=NONE swa softcap"
 
@@ -382,7 +383,7 @@ def test_flashinfer_jit_module_names_the_variants():
 def test_flashinfer_refuses_what_it_cannot_express(kw):
     causal = kw.pop("causal")
     spec = spec_of(causal, torch.bfloat16, **kw)
-    reasons = FlashinferBackend().supports(spec, SM90)
+    reasons = FlashinferBackend.supports(spec, SM90)
     assert reasons and {r.code for r in reasons} <= {
         ab.ReasonCode.SLIDING_WINDOW,
         ab.ReasonCode.ALIBI,
@@ -410,5 +411,5 @@ def test_one_batch_prepared_once_per_spec_serves_alternating_layers():
         layer_input = qkv * (1 + 0.1 * n)
         out = backends[spec].forward(layer_input.clone(), plans[spec])
         ref = ab.reference_attention(layer_input, spec, params)
-        assert ab.relative_error(out, ref) < ab.TOLERANCE[spec.dtype]
+        assert relative_error(out, ref) < TOLERANCE[spec.dtype]
     assert plans[global_spec].spec == global_spec and plans[local_spec].spec == local_spec

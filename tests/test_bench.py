@@ -11,12 +11,19 @@ import importlib.util
 import inspect
 import itertools
 import json
+import os
+import subprocess
 import sys
 import weakref
+from pathlib import Path
 
 import pytest
 import torch
 import torch.nn.functional as F
+
+# The benchmark is not installed: it is imported from the checkout's benchmarks/ folder.
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
+
 from attn_backends_bench import cli, ragged, report
 from attn_backends_bench.graphs import (
     GraphChoice,
@@ -89,7 +96,6 @@ from attn_backends_bench.workloads import (
 
 from attn_backends import (
     PRESETS,
-    TOLERANCE,
     AlibiSpec,
     AttentionSpec,
     FMHAParams,
@@ -98,11 +104,13 @@ from attn_backends import (
     RopeScaling,
     RopeSpec,
     reference_attention,
-    relative_error,
 )
-from attn_backends.plugin import COMMAND_GROUP, Subcommand
+from attn_backends.plugin import COMMAND_GROUP
+from attn_backends.reference import TOLERANCE, relative_error
 from tests.fakes import fake_flashinfer_rope
 from tests.fakes.fake_flashinfer import install as install_fake_flashinfer
+
+BENCHMARKS = Path(__file__).resolve().parents[1] / "benchmarks"
 
 # --- workloads -------------------------------------------------------------------------------
 
@@ -475,7 +483,7 @@ def _result() -> BenchResult:
             "iters": 50,
             "warmup": 10,
             "date": "2026-11-30T00:00:00+00:00",
-            "command": "attn-backends bench --out x",
+            "command": "python3 benchmarks/bench.py --out x",
             "modes": list(MODES),
             "host_calls": 50,
             "host_repeats": 7,
@@ -500,7 +508,7 @@ def test_markdown_has_the_tables_targets_and_reasons():
     assert "headwise: [headwise] needs a config" in md  # refused backends listed, not tabled
     assert "| qwen3-emb-0.6b | headwise alone |" not in md
     assert "`gte-qwen2-7b`: time budget of 300 s used up" in md
-    assert "Command: `attn-backends bench --out x`" in md
+    assert "Command: `python3 benchmarks/bench.py --out x`" in md
     assert "4.00 TB/s" in md
     assert "800 TFLOP/s" in md
 
@@ -1256,7 +1264,7 @@ def _graph_target(spec: AttentionSpec, params: FMHAParams) -> GraphTarget:
     CUDA, so the selector would refuse it here; the plan itself does not)."""
     from attn_backends_builtin.flashinfer import FlashinferBackend
 
-    backend = FlashinferBackend().bind(spec, CUDA_WITH_FLASHINFER)
+    backend = FlashinferBackend.bind(spec, CUDA_WITH_FLASHINFER)
     assert isinstance(backend, FlashinferBackend)
     target = open_graph(GraphChoice("flashinfer", backend, {"selected_by": "explicit"}), params)
     assert isinstance(target, GraphTarget)
@@ -1408,42 +1416,65 @@ def test_raw_torch_rope_beyond_plain_theta_goes_through_the_torch_pass(spec, mon
     assert relative_error(path.run(qkv.clone()), ref) < TOLERANCE[spec.dtype]
 
 
-def test_pyproject_declares_the_bench_subcommand_entry_point():
-    """``attn-backends bench`` exists because of this entry point: the core never imports the
-    benchmark."""
-    from importlib.metadata import EntryPoint
-    from pathlib import Path
-
+def test_the_benchmark_is_not_in_the_wheel_nor_a_subcommand():
+    """The wheel holds the core and the built-in plugins only: the benchmark runs from a
+    checkout (``benchmarks/bench.py``), and the core's CLI is offered no ``bench`` command."""
     import tomllib
 
-    project = tomllib.loads((Path(__file__).parents[1] / "pyproject.toml").read_text())["project"]
-    value = project["entry-points"][COMMAND_GROUP]["bench"]
-    assert value == "attn_backends_bench.cli:COMMAND"
-    command = EntryPoint("bench", value, COMMAND_GROUP).load()
-    assert command is cli.COMMAND and isinstance(command, Subcommand)
-    assert command.run is cli.run and command.add_arguments is cli.add_arguments
+    pyproject = tomllib.loads((BENCHMARKS.parent / "pyproject.toml").read_text())
+    setuptools = pyproject["tool"]["setuptools"]
+    assert "attn_backends_bench" not in setuptools["packages"]
+    assert "attn_backends_bench" not in setuptools["package-dir"]
+    assert "bench" not in pyproject["project"]["entry-points"].get(COMMAND_GROUP, {})
+    # mypy and import-linter still check it, with benchmarks/ on their path.
+    assert "benchmarks" in pyproject["tool"]["mypy"]["mypy_path"].split(":")
+    assert "attn_backends_bench" in pyproject["tool"]["importlinter"]["root_packages"]
 
 
-@pytest.fixture
-def bench_installed(monkeypatch):
-    """The core CLI's entry points as an installed distribution declares them."""
-    from importlib.metadata import EntryPoint
-
-    from attn_backends._cli import _cli_commands
-
-    entry = EntryPoint("bench", "attn_backends_bench.cli:COMMAND", COMMAND_GROUP)
-    monkeypatch.setattr(_cli_commands, "entry_points", lambda group: [entry])
+def _bench_script(*argv: str) -> subprocess.CompletedProcess[str]:
+    """``python3 benchmarks/bench.py ARGV`` from another folder, with no CUDA device visible."""
+    return _python(str(BENCHMARKS / "bench.py"), *argv, cwd=BENCHMARKS.parent / "tests")
 
 
-def test_attn_backends_bench_runs_the_benchmark_through_the_core_cli(
-    bench_installed, monkeypatch, capsys, tmp_path
-):
-    from attn_backends import cli as core_cli
+def _python(*argv: str, cwd: Path) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [sys.executable, *argv],
+        capture_output=True,
+        text=True,
+        check=False,
+        cwd=cwd,
+        env={**os.environ, "CUDA_VISIBLE_DEVICES": ""},
+        timeout=300,
+    )
 
-    assert core_cli.main(["bench", "--iters", "3"]) == 2
-    assert "--iters" in capsys.readouterr().err
-    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
-    assert core_cli.main(["bench", "--out", str(tmp_path / "out")]) == 2
-    assert "no CUDA device" in capsys.readouterr().err
-    assert core_cli.main(["bench", "--help"]) == 0
-    assert "--time-budget-s" in capsys.readouterr().out
+
+def test_bench_script_runs_the_benchmark_command(tmp_path):
+    done = _bench_script("--iters", "3")
+    assert done.returncode == 2
+    assert "--iters" in done.stderr
+    done = _bench_script("--out", str(tmp_path / "out"))
+    assert done.returncode == 2
+    assert "no CUDA device" in done.stderr
+    assert not (tmp_path / "out").exists()
+    done = _bench_script("--help")
+    assert done.returncode == 0
+    assert "--time-budget-s" in done.stdout
+    assert done.stdout.startswith("usage: python3 benchmarks/bench.py")
+    # From benchmarks/, the package runs as a module too.
+    done = _python("-m", "attn_backends_bench", "--help", cwd=BENCHMARKS)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.startswith("usage: python3 -m attn_backends_bench")
+
+
+def test_bench_script_renders_an_earlier_json_and_records_its_command(tmp_path):
+    source = tmp_path / "run.json"
+    source.write_text(report.to_json(_result()))
+    done = _bench_script("--render", str(source), "--out", str(tmp_path / "again"))
+    assert done.returncode == 0, done.stderr
+    assert done.stdout == (tmp_path / "again" / "bench.md").read_text()
+    assert cli._command_line(["benchmarks/bench.py", "--out", "x y"]) == (
+        "python3 benchmarks/bench.py --out 'x y'"
+    )
+    assert cli._command_line(["/x/attn_backends_bench/__main__.py", "--iters", "40"]) == (
+        "python3 -m attn_backends_bench --iters 40"
+    )

@@ -15,6 +15,9 @@ import attn_backends.plugin as abp
 from attn_backends._backend import _backend
 from attn_backends._path import _contract, _native, _preprocess, _rope, _separate
 from attn_backends._path._contract import PrefillPlan
+from attn_backends.deploy import get_registry
+from attn_backends.errors import PackedQKVError
+from attn_backends.reference import TOLERANCE, relative_error
 
 CPU = ab.Platform(kind="cpu")
 ASSUMED_SM90 = ab.parse_platform("cuda:sm90")
@@ -51,13 +54,12 @@ class _NoSoftcap(TorchSdpaBackend):
 
 def test_binding_an_unsupported_spec_raises_with_the_reasons():
     spec = replace(PLAIN, logit_softcap=5.0)
-    assert _NoSoftcap().supports(spec, CPU)
-    for bind in (lambda: _NoSoftcap().bind(spec), lambda: _NoSoftcap(spec)):
-        with pytest.raises(ab.NoBackendError, match="logit_softcap") as info:
-            bind()
-        ((name, reasons),) = info.value.reasons
-        assert name == "no-softcap" and reasons == tuple(_NoSoftcap().supports(spec, CPU))
-    bound = _NoSoftcap().bind(PLAIN)  # what it does declare binds
+    assert _NoSoftcap.supports(spec, CPU)
+    with pytest.raises(ab.NoBackendError, match="logit_softcap") as info:
+        _NoSoftcap.bind(spec)
+    ((name, reasons),) = info.value.reasons
+    assert name == "no-softcap" and reasons == tuple(_NoSoftcap.supports(spec, CPU))
+    bound = _NoSoftcap.bind(PLAIN)  # what it does declare binds
     assert bound.spec == PLAIN and bound.binding.platform.kind == "cpu"
 
 
@@ -74,9 +76,9 @@ def test_fp8_with_rope_is_refused_at_bind_by_the_one_check():
 
     spec = ab.AttentionSpec(4, 2, 16, torch.float8_e4m3fn, causal=True, rope=ab.RopeSpec(1e4))
     with pytest.raises(ab.NoBackendError, match="rotate the stored FP8 values") as info:
-        Fp8Probe().bind(spec, CPU)
+        Fp8Probe.bind(spec, CPU)
     assert info.value.reasons[0][1][0].code == ab.ReasonCode.FP8
-    assert Fp8Probe().bind(replace(spec, rope=None), CPU).spec is not None
+    assert Fp8Probe.bind(replace(spec, rope=None), CPU).spec is not None
 
 
 def test_every_registered_backend_binds_exactly_where_it_supports():
@@ -89,17 +91,19 @@ def test_every_registered_backend_binds_exactly_where_it_supports():
         replace(PLAIN, window=ab.SlidingWindow(2, 0)),
         ab.AttentionSpec(4, 2, 16, torch.bfloat16, causal=False),
     ]
-    registry = ab.get_registry()
+    registry = get_registry()
     for entry in registry.entries():
+        cls = entry.backend
+        assert isinstance(cls, type) and issubclass(cls, abp.PrefillBackend), entry.name
         for spec in specs:
             for platform in (CPU, ASSUMED_SM90):
-                reasons = entry.backend.supports(spec, platform)
+                reasons = cls.supports(spec, platform)
                 if reasons:
                     with pytest.raises(ab.NoBackendError) as info:
-                        entry.backend.bind(spec, platform)
+                        cls.bind(spec, platform)
                     assert info.value.reasons[0][1] == tuple(reasons), entry.name
                 else:
-                    assert entry.backend.bind(spec, platform).spec == spec, entry.name
+                    assert cls.bind(spec, platform).spec == spec, entry.name
 
 
 def test_select_binds_for_the_requested_platform():
@@ -135,7 +139,7 @@ def resolutions(monkeypatch) -> list[tuple[ab.AttentionSpec, bool]]:
 
 
 def test_prepare_describe_and_forward_decide_nothing_again(resolutions):
-    backend = TorchSdpaBackend().bind(ROPE, CPU)
+    backend = TorchSdpaBackend.bind(ROPE, CPU)
     assert resolutions == [(ROPE, False)]  # torch-sdpa fuses nothing: one resolution
     binding = backend.binding
     assert binding.preprocess.mode == "torch" and binding.preprocess.rope_pass is _preprocess.TORCH
@@ -149,7 +153,7 @@ def test_prepare_describe_and_forward_decide_nothing_again(resolutions):
             pristine = qkv.clone()
             out = backend.forward(qkv, plan)
             ref = ab.reference_attention(pristine, ROPE, params)
-            assert ab.relative_error(out, ref) < ab.TOLERANCE[torch.float32]
+            assert relative_error(out, ref) < TOLERANCE[torch.float32]
     assert backend.describe(CPU) == binding.details()
     assert resolutions == [(ROPE, False)]
 
@@ -157,7 +161,7 @@ def test_prepare_describe_and_forward_decide_nothing_again(resolutions):
 def test_a_default_binding_serves_every_batch_of_this_machine(resolutions):
     """Bound for this machine as probed (its libraries listed), a batch on its device takes the
     bound decision, though the device's platform is probed with another library list."""
-    backend = TorchSdpaBackend().bind(ROPE)
+    backend = TorchSdpaBackend.bind(ROPE)
     assert backend.binding.platform.kind == "cpu"
     for _ in range(3):
         backend.prepare(params_of())
@@ -167,7 +171,7 @@ def test_a_default_binding_serves_every_batch_of_this_machine(resolutions):
 def test_a_fusing_backend_decides_both_cases_once_and_picks_per_batch(resolutions):
     flashinfer = pytest.importorskip("attn_backends_builtin.flashinfer")
     spec = ab.AttentionSpec(8, 2, 128, torch.bfloat16, causal=True, rope=ab.RopeSpec(1e6))
-    binding = flashinfer.FlashinferRopeBackend().bind(spec, FAKE_SM90).binding
+    binding = flashinfer.FlashinferRopeBackend.bind(spec, FAKE_SM90).binding
     assert sorted(fused for _, fused in resolutions) == [False, True]
     limit = flashinfer.FUSED_ROPE_MAX_SEQLEN
     assert binding.fused is not None and binding.fused_max_seqlen == limit
@@ -179,7 +183,7 @@ def test_a_fusing_backend_decides_both_cases_once_and_picks_per_batch(resolution
     assert [(fused, c.backend) for fused, c in variant.cases] == [(True, "fa2"), (False, "fa3")]
     unfusable = replace(spec, rope=ab.RopeSpec(1e6, 64))  # partial rotary: never fused
     resolutions.clear()
-    assert flashinfer.FlashinferRopeBackend().bind(unfusable, FAKE_SM90).binding.fused is None
+    assert flashinfer.FlashinferRopeBackend.bind(unfusable, FAKE_SM90).binding.fused is None
     assert len(resolutions) == 2
 
 
@@ -190,7 +194,7 @@ def test_flashinfer_plans_with_the_bound_kernel_choice(monkeypatch):
     fake = install(monkeypatch)
     monkeypatch.setattr(flashinfer, "device_sm", lambda device: 90)
     spec = ab.AttentionSpec(8, 2, 128, torch.bfloat16, causal=True)
-    backend = flashinfer.FlashinferBackend().bind(spec, FAKE_SM90)
+    backend = flashinfer.FlashinferBackend.bind(spec, FAKE_SM90)
     chosen: list[object] = []
     real = flashinfer.choose_kernel
 
@@ -244,7 +248,7 @@ def test_separate_input_on_a_native_plan_runs_the_native_kernel_on_the_callers_t
     monkeypatch.setattr(_rope, "rope_frequencies", counting)
     monkeypatch.setattr(_native, "rope_logn_", no_packed)
     monkeypatch.setattr(_native, "rope_logn_qk_", emulated)
-    backend = TorchSdpaBackend(ROPE)
+    backend = TorchSdpaBackend.bind(ROPE)
     kernel = backend.prepare(params).kernel
     builds.clear()
     plan = PrefillPlan(backend.name, ROPE, params, "native", None, kernel)
@@ -256,7 +260,7 @@ def test_separate_input_on_a_native_plan_runs_the_native_kernel_on_the_callers_t
         q, k, v = (t.clone() for t in packed.split([ROPE.q_width, ROPE.kv_width, ROPE.kv_width], 1))
         out = backend.forward((q, k, v), plan)
         ref = ab.reference_attention(packed, ROPE, params)
-        assert ab.relative_error(out, ref) < ab.TOLERANCE[torch.float32]
+        assert relative_error(out, ref) < TOLERANCE[torch.float32]
         assert calls[-1] == (q.data_ptr(), k.data_ptr(), params.token_q_num)
     assert len(calls) == layers, "one native launch per layer"
     assert len(builds) == built, f"{len(builds) - built} table builds over {layers} layers"
@@ -304,7 +308,7 @@ def test_prepare_builds_tables_for_every_pass_that_rotates():
 
 
 def test_the_record_says_the_torch_pass_serves_separate_input():
-    backend = TorchSdpaBackend().bind(ROPE, ASSUMED_SM90)
+    backend = TorchSdpaBackend.bind(ROPE, ASSUMED_SM90)
     details = backend.describe(ASSUMED_SM90)
     assert details["preprocess"] == "native"
     assert details["preprocess_separate_qkv"].startswith("torch")
@@ -361,10 +365,10 @@ def test_aliased_inputs_are_refused_before_any_write(name):
     storages = {t.untyped_storage().data_ptr(): t for t in given}
     bases = [t._base if t._base is not None else t for t in storages.values()]
     before = [b.clone() for b in bases]
-    backend = TorchSdpaBackend(spec)
+    backend = TorchSdpaBackend.bind(spec)
     plan = backend.prepare(params_of())
     for _ in range(2):  # the second call takes the memo: still refused
-        with pytest.raises(ab.PackedQKVError, match=match):
+        with pytest.raises(PackedQKVError, match=match):
             backend.forward(given, plan)  # type: ignore[arg-type]
     assert all(torch.equal(a, b) for a, b in zip(bases, before, strict=True)), "input written"
 
@@ -374,11 +378,11 @@ def test_disjoint_column_slices_of_one_buffer_are_served():
     packed = torch.randn(ROWS, ROPE.qkv_width, generator=gen)
     pristine = packed.clone()
     q, k, v = packed.split([ROPE.q_width, ROPE.kv_width, ROPE.kv_width], 1)
-    backend = TorchSdpaBackend(ROPE)
+    backend = TorchSdpaBackend.bind(ROPE)
     params = params_of()
     out = backend.forward((q, k, v), backend.prepare(params))
     ref = ab.reference_attention(pristine, ROPE, params)
-    assert ab.relative_error(out, ref) < ab.TOLERANCE[torch.float32]
+    assert relative_error(out, ref) < TOLERANCE[torch.float32]
     assert torch.equal(packed[:, ROPE.q_width + ROPE.kv_width :], pristine[:, -ROPE.kv_width :])
 
 
@@ -386,8 +390,8 @@ def test_a_plan_that_writes_nothing_reads_aliased_inputs():
     """Without RoPE or logn nothing is written, so k is v reads the same keys and values."""
     gen = torch.Generator().manual_seed(5)
     q, kv = torch.randn(ROWS, 64, generator=gen), torch.randn(ROWS, 32, generator=gen)
-    backend = TorchSdpaBackend(PLAIN)
+    backend = TorchSdpaBackend.bind(PLAIN)
     params = params_of()
     out = backend.forward((q, kv, kv), backend.prepare(params))
     ref = ab.reference_attention(torch.cat((q, kv, kv), 1), PLAIN, params)
-    assert ab.relative_error(out, ref) < ab.TOLERANCE[torch.float32]
+    assert relative_error(out, ref) < TOLERANCE[torch.float32]

@@ -16,6 +16,8 @@ from attn_backends_builtin.torch_sdpa import TorchSdpaBackend
 
 import attn_backends as ab
 from attn_backends.cli import EXIT_PIPE_CLOSED, main
+from attn_backends.deploy import Registry, get_registry, reset_registry
+from attn_backends.reference import TOLERANCE
 from tests.static_plugin import StaticPlugin
 
 
@@ -43,7 +45,8 @@ def strict_json(text):
 def test_explain_cpu_default(capsys):
     code, out, _ = run(capsys, "explain", "--preset", "qwen3-embedding-0.6b", "--device", "cpu")
     assert code == 0
-    assert "selected: torch-sdpa (by priority)" in out
+    assert "selected: torch-sdpa (by ranking)" in out
+    assert "decided by: row " in out and ": torch-sdpa on cpu (" in out
     assert "heads 16/8 x 128, bfloat16, causal, rope theta=1e+06 rotate-half" in out
 
 
@@ -167,12 +170,12 @@ class _Blows(TorchSdpaBackend):
 
 @pytest.fixture
 def blowing_registry():
-    reg = ab.Registry()
+    reg = Registry()
     reg.register_plugin(torch_sdpa, name="torch-sdpa")
-    reg.register_plugin(StaticPlugin(_Blows()), name="vendor-blows-up")
-    ab.reset_registry(reg)
+    reg.register_plugin(StaticPlugin(_Blows), name="vendor-blows-up")
+    reset_registry(reg)
     yield reg
-    ab.reset_registry()
+    reset_registry()
 
 
 @pytest.mark.usefixtures("blowing_registry")
@@ -193,7 +196,7 @@ def test_check_json_stays_json_when_the_error_is_not_finite(capsys):
     assert data["status"] == "failed"
     assert data["relative_error"] is None
     assert data["relative_error_not_finite"] == "inf"
-    assert data["tolerance"] == ab.TOLERANCE[torch.bfloat16]
+    assert data["tolerance"] == TOLERANCE[torch.bfloat16]
     code, out, _ = run(
         capsys, "check", "--preset", "bert-base", "--backend", "blows-up", "--device", "cpu"
     )
@@ -306,10 +309,10 @@ MISTAKES = {
     ),
     "unknown-option": (["explain", "--fp8"], ["no option --fp8", "explain --help"]),
     "positional": (["explain", "short"], ["'short'", "options only"]),
-    "no-command": ([], ["give a command", "list", "explain", "check", "bench"]),
+    "no-command": ([], ["give a command", "list", "explain", "check", "warmup"]),
     "unknown-command": (["lst"], ["'lst'", "list"]),
     "abbreviation": (["explain", "--pres", "short"], ["--pres"]),
-    "bench-iters": (["bench", "--iters", "3"], ["--iters", "at least 30"]),
+    "bench-is-no-command": (["bench"], ["invalid choice: 'bench'", "'warmup'"]),
 }
 
 
@@ -349,7 +352,7 @@ def test_an_unknown_backend_from_the_environment(monkeypatch, capsys):
     assert code == 0 and "selected: torch-sdpa (by explicit)" in out
 
 
-@pytest.mark.parametrize("command", [[], ["list"], ["explain"], ["check"], ["bench"]])
+@pytest.mark.parametrize("command", [[], ["list"], ["explain"], ["check"], ["warmup"]])
 def test_help(capsys, command):
     code, out, err = run(capsys, *command, "--help")
     assert (code, err) == (0, "")
@@ -464,12 +467,12 @@ def test_rope_scaling_is_read_as_transformers_reads_the_dict(capsys):
 def flex_registry():
     from attn_backends_builtin import flex
 
-    reg = ab.Registry()
+    reg = Registry()
     reg.register_plugin(torch_sdpa, name="torch-sdpa")
     reg.register_plugin(flex, name="flex")
-    ab.reset_registry(reg)
+    reset_registry(reg)
     yield reg
-    ab.reset_registry()
+    reset_registry()
 
 
 @pytest.mark.usefixtures("flex_registry")
@@ -581,11 +584,11 @@ def test_a_negative_value_is_read_and_refused_by_its_flag(capsys, flags, fragmen
 
 def test_with_every_plugin_switched_off_the_error_says_why(monkeypatch, capsys):
     monkeypatch.setenv("ATTN_BACKENDS_PLUGINS", "none")
-    ab.reset_registry()
+    reset_registry()
     try:
         code, out, err = run(capsys, "explain", "--preset", "short", "--platform", "cpu")
     finally:
-        ab.reset_registry()
+        reset_registry()
     assert (code, out) == (1, "")
     assert "no backend is registered, because no plugin loaded one" in err
     assert "plugin torch-sdpa: disabled" in err and "$ATTN_BACKENDS_PLUGINS" in err
@@ -613,7 +616,7 @@ def test_list_text_shows_every_declared_capability(capsys):
     code, out, _ = run(capsys, "list", "--platform", "cpu")
     assert code == 0
     blocks = out.split("\n\n")
-    for entry in ab.get_registry().entries():
+    for entry in get_registry().entries():
         block = next(b for b in blocks if b.startswith(f"{entry.name}  ["))
         declared = entry.capabilities.to_dict()
         lines = [line.strip() for line in block.splitlines()]

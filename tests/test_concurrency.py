@@ -11,6 +11,7 @@ import torch
 from attn_backends_builtin import torch_sdpa
 
 import attn_backends as ab
+import attn_backends.deploy
 import attn_backends.plugin as abp
 from tests.static_plugin import StaticPlugin
 
@@ -60,7 +61,6 @@ class _Counting(torch_sdpa.TorchSdpaBackend):
     capabilities = abp.Capabilities(
         platforms=frozenset({"cpu"}),
         dtypes=frozenset({torch.float32}),
-        priority=(abp.PriorityRule("cpu", 300),),
     )
     prepared = 0
     lock = threading.Lock()
@@ -71,17 +71,15 @@ class _Counting(torch_sdpa.TorchSdpaBackend):
         return super().prepare(params)
 
 
-def _renamed(name: str) -> ab.NoCachePrefill:
-    cls = type(f"Backend_{name}", (torch_sdpa.TorchSdpaBackend,), {"name": name})
-    backend: ab.NoCachePrefill = cls()
-    return backend
+def _renamed(name: str) -> type[torch_sdpa.TorchSdpaBackend]:
+    return type(f"Backend_{name}", (torch_sdpa.TorchSdpaBackend,), {"name": name})
 
 
 def test_concurrent_select_gives_one_decision_and_one_canary() -> None:
-    reg = ab.Registry()
+    reg = ab.deploy.Registry()
     reg.register_plugin(torch_sdpa, name="torch-sdpa")
-    reg.register_plugin(StaticPlugin(_Counting()), name="counting")
-    ab.clear_selection_cache()
+    reg.register_plugin(StaticPlugin(_Counting, first_on="cpu"), name="counting")
+    ab.deploy.clear_selection_cache()
     _Counting.prepared = 0
     results = _in_threads(
         THREADS, lambda _: ab.select(SPEC, device="cpu", strict=True, registry=reg)
@@ -95,7 +93,7 @@ def test_concurrent_select_gives_one_decision_and_one_canary() -> None:
 
 
 def test_concurrent_registrations_are_neither_lost_nor_torn() -> None:
-    reg = ab.Registry()
+    reg = ab.deploy.Registry()
     reg.register_plugin(torch_sdpa, name="torch-sdpa")
     per_thread = 6
     writers = THREADS // 2
@@ -121,11 +119,11 @@ def test_concurrent_registrations_are_neither_lost_nor_torn() -> None:
 
 
 def test_racing_for_one_backend_name_leaves_exactly_one_owner() -> None:
-    reg = ab.Registry()
+    reg = ab.deploy.Registry()
     results = _in_threads(
         THREADS, lambda i: reg.register_plugin(StaticPlugin(_renamed("racer")), name=f"racer-{i}")
     )
-    records = [r for r in results if isinstance(r, ab.PluginRecord)]
+    records = [r for r in results if isinstance(r, ab.deploy.PluginRecord)]
     loaded = [r for r in records if r.status == "loaded"]
     assert len(loaded) == 1
     owner = reg.get("racer")

@@ -11,6 +11,7 @@ import torch
 import attn_backends as ab
 import attn_backends.plugin as abp
 from attn_backends._path._contract import split_views, unpack_packed
+from attn_backends.errors import BackendFailure, PackedQKVError, ParamsError
 
 SPEC = ab.AttentionSpec(4, 2, 16, torch.float32, causal=True, rope=ab.RopeSpec(1e4))
 PARAMS = ab.FMHAParams.from_lengths([3, 1, 5], device="cpu", padded_rows=12)
@@ -48,7 +49,7 @@ def test_rejections_are_named_and_leave_input_untouched(make, match):
     bad = make()
     tensors = [t for t in (bad if isinstance(bad, (tuple, list)) else (bad,)) if t is not None]
     before = [t.clone() for t in tensors if t.device.type != "meta"]
-    with pytest.raises(ab.PackedQKVError, match=match):
+    with pytest.raises(PackedQKVError, match=match):
         be.forward(bad, plan)
     after = [t for t in tensors if t.device.type != "meta"]
     assert all(torch.equal(a, b) for a, b in zip(after, before, strict=True))
@@ -87,20 +88,13 @@ def test_empty_tuple_forms_are_accepted():
 def test_plan_from_another_spec_is_refused():
     other = ab.AttentionSpec(4, 2, 16, torch.float32, causal=False)
     plan = ab.select(other, platform="cpu").backend.prepare(PARAMS)
-    with pytest.raises(ab.ParamsError, match="prepare"):
+    with pytest.raises(ParamsError, match="prepare"):
         backend().forward(qkv(), plan)
 
 
 def test_prepare_rejects_non_params():
-    with pytest.raises(ab.ParamsError, match="takes FMHAParams"):
+    with pytest.raises(ParamsError, match="takes FMHAParams"):
         backend().prepare([3, 1, 5])
-
-
-def test_unbound_backend_says_how_to_bind():
-    entry = ab.get_registry().get("torch-sdpa")
-    assert entry is not None
-    with pytest.raises(ab.UnboundBackendError, match="select"):
-        entry.backend.prepare(PARAMS)
 
 
 def test_fp8_scales_accept_floats_or_device_scalars():
@@ -110,9 +104,9 @@ def test_fp8_scales_accept_floats_or_device_scalars():
     one = torch.ones(())
     check_fp8_scales(fp8, ab.Fp8Scales(0.5, 2.0, 1.0), torch.device("cpu"))
     check_fp8_scales(fp8, ab.Fp8Scales(one, one, one), torch.device("cpu"))
-    with pytest.raises(ab.PackedQKVError, match=r"fp8_scales\.q on cpu for QKV on meta"):
+    with pytest.raises(PackedQKVError, match=r"fp8_scales\.q on cpu for QKV on meta"):
         check_fp8_scales(fp8, ab.Fp8Scales(one, one, one), torch.device("meta"))
-    with pytest.raises(ab.PackedQKVError, match="without fp8_scales"):
+    with pytest.raises(PackedQKVError, match="without fp8_scales"):
         check_fp8_scales(fp8, None, torch.device("cpu"))
 
 
@@ -136,14 +130,14 @@ def test_fp8_scales_accept_floats_or_device_scalars():
     ],
 )
 def test_fp8_scales_are_value_checked_when_built(scales, match):
-    with pytest.raises(ab.PackedQKVError, match=match):
+    with pytest.raises(PackedQKVError, match=match):
         ab.Fp8Scales(*scales)
 
 
 def test_fp8_scales_rules():
     be = backend()
     one = torch.ones(())
-    with pytest.raises(ab.PackedQKVError, match="fp8_scales=None"):
+    with pytest.raises(PackedQKVError, match="fp8_scales=None"):
         be.forward(qkv(), be.prepare(PARAMS), fp8_scales=ab.Fp8Scales(one, one, one))
 
 
@@ -167,7 +161,7 @@ class _DenseBackend(abp.PrefillBackend):
 
 
 def test_contract_copies_only_for_needs_contiguous():
-    be = _DenseBackend(SPEC)
+    be = _DenseBackend.bind(SPEC)
     out = be.forward(qkv(), be.prepare(PARAMS))
     assert _DenseBackend.seen[-1] == (True, True, True)
     assert out.shape == (PARAMS.token_q_num, SPEC.q_width)
@@ -181,6 +175,6 @@ class _WrongShapeBackend(_DenseBackend):
 
 
 def test_backend_returning_wrong_shape_is_a_named_failure():
-    be = _WrongShapeBackend(SPEC)
-    with pytest.raises(ab.BackendFailure, match="wrong-shape returned"):
+    be = _WrongShapeBackend.bind(SPEC)
+    with pytest.raises(BackendFailure, match="wrong-shape returned"):
         be.forward(qkv(), be.prepare(PARAMS))

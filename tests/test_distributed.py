@@ -28,6 +28,13 @@ import attn_backends.plugin as abp
 from attn_backends._model import _json
 from attn_backends._plugins._registry import RegistrySnapshot
 from attn_backends._select._distributed import rank_fingerprint
+from attn_backends.deploy import (
+    RankDecision,
+    Registry,
+    check_consistent_across_ranks,
+    select_across_ranks,
+)
+from attn_backends.errors import InvalidArgumentError, RankMismatchError
 from tests.static_plugin import StaticPlugin
 
 WORLD = 2
@@ -42,24 +49,22 @@ Outcomes = list[dict[str, dict[str, object]]]
 
 
 class _CudaOnly(torch_sdpa.TorchSdpaBackend):
-    """A backend ranked on CUDA: a rank that believes it is on sm90 picks it."""
+    """A backend ranked first on CUDA: a rank that believes it is on sm90 picks it."""
 
     name = "cuda-kernel"
     capabilities = abp.Capabilities(
-        platforms=frozenset({"cuda"}),
-        dtypes=frozenset({torch.float32}),
-        priority=(abp.PriorityRule("cuda", 50),),
+        platforms=frozenset({"cuda"}), dtypes=frozenset({torch.float32})
     )
 
 
-class _BrokenRegistry(ab.Registry):
+class _BrokenRegistry(Registry):
     """A registry whose table cannot be read: `select` raises a plain RuntimeError."""
 
     def snapshot(self) -> RegistrySnapshot:
         raise RuntimeError("the plugin table is corrupt")
 
 
-class _InterruptedRegistry(ab.Registry):
+class _InterruptedRegistry(Registry):
     def snapshot(self) -> RegistrySnapshot:
         raise KeyboardInterrupt
 
@@ -74,7 +79,7 @@ def _gpu(device_name: str, flashinfer: str) -> ab.Platform:
 def _outcome(run: Callable[[], object]) -> dict[str, object]:
     try:
         result = run()
-    except ab.RankMismatchError as exc:
+    except RankMismatchError as exc:
         return {
             "error": "RankMismatchError",
             "message": str(exc),
@@ -99,9 +104,9 @@ def _worker(rank: int, store: str, out_dir: str) -> None:
         world_size=WORLD,
         timeout=COLLECTIVE_TIMEOUT,
     )
-    reg = ab.Registry()
+    reg = Registry()
     reg.register_plugin(torch_sdpa, name="torch-sdpa")
-    reg.register_plugin(StaticPlugin(_CudaOnly()), name="vendor")
+    reg.register_plugin(StaticPlugin(_CudaOnly, first_on="cuda"), name="vendor")
     same = ab.select(SPEC, platform="cpu", registry=reg)
     # rank 1 sees another platform (a dry run for sm90 here; a different GPU in real life)
     mine = ab.select(SPEC, platform="cuda:sm90" if rank == 1 else "cpu", registry=reg)
@@ -112,27 +117,23 @@ def _worker(rank: int, store: str, out_dir: str) -> None:
     )
     broken = reg if rank == 0 else _BrokenRegistry()
     results = {
-        "same": _outcome(lambda: ab.check_consistent_across_ranks(same)),
-        "platform": _outcome(lambda: ab.check_consistent_across_ranks(mine)),
+        "same": _outcome(lambda: check_consistent_across_ranks(same)),
+        "platform": _outcome(lambda: check_consistent_across_ranks(mine)),
         "one-fails": _outcome(
-            lambda: ab.select_across_ranks(SPEC, backend=pinned, platform="cpu", registry=reg)
+            lambda: select_across_ranks(SPEC, backend=pinned, platform="cpu", registry=reg)
         ),
-        "raw-error": _outcome(
-            lambda: ab.select_across_ranks(SPEC, platform="cpu", registry=broken)
-        ),
-        "select-agrees": _outcome(
-            lambda: ab.select_across_ranks(SPEC, platform="cpu", registry=reg)
-        ),
+        "raw-error": _outcome(lambda: select_across_ranks(SPEC, platform="cpu", registry=broken)),
+        "select-agrees": _outcome(lambda: select_across_ranks(SPEC, platform="cpu", registry=reg)),
         "int-float-theta": _outcome(
-            lambda: ab.select_across_ranks(theta, platform="cpu", registry=reg)
+            lambda: select_across_ranks(theta, platform="cpu", registry=reg)
         ),
         "library-version": _outcome(
-            lambda: ab.select_across_ranks(
+            lambda: select_across_ranks(
                 SPEC, platform=_gpu("H200", "0.7.0" if rank == 0 else "0.6.1"), registry=reg
             )
         ),
         "device-name": _outcome(
-            lambda: ab.select_across_ranks(
+            lambda: select_across_ranks(
                 SPEC, platform=_gpu("H200" if rank == 0 else "H100", "0.7.0"), registry=reg
             )
         ),
@@ -141,7 +142,7 @@ def _worker(rank: int, store: str, out_dir: str) -> None:
     # timeout is one second
     lonely = dist.new_group(timeout=timedelta(seconds=1))
     if rank == 0:
-        results["absent-peer"] = _outcome(lambda: ab.check_consistent_across_ranks(same, lonely))
+        results["absent-peer"] = _outcome(lambda: check_consistent_across_ranks(same, lonely))
     Path(out_dir, f"rank{rank}.json").write_text(json.dumps(results))
     dist.destroy_process_group()
 
@@ -246,15 +247,15 @@ def test_a_rank_that_never_joins_gives_the_named_error_not_a_raw_one(outcomes: O
 def test_without_a_process_group_there_is_one_rank() -> None:
     assert not dist.is_initialized()
     sel = ab.select(SPEC, platform="cpu")
-    (decision,) = ab.check_consistent_across_ranks(sel)
+    (decision,) = check_consistent_across_ranks(sel)
     assert decision.rank == 0
     assert decision.backend == sel.name
     assert decision.fingerprint == rank_fingerprint(sel)
 
 
 def test_a_lone_rank_that_fails_raises_the_named_error_with_its_cause() -> None:
-    with pytest.raises(ab.RankMismatchError, match="rank 0 failed to select") as caught:
-        ab.select_across_ranks(SPEC, platform="cpu", registry=_BrokenRegistry())
+    with pytest.raises(RankMismatchError, match="rank 0 failed to select") as caught:
+        select_across_ranks(SPEC, platform="cpu", registry=_BrokenRegistry())
     assert isinstance(caught.value.__cause__, RuntimeError)
     (decision,) = caught.value.decisions
     assert (decision.error_type, decision.error) == ("RuntimeError", "the plugin table is corrupt")
@@ -263,7 +264,7 @@ def test_a_lone_rank_that_fails_raises_the_named_error_with_its_cause() -> None:
 
 def test_keyboard_interrupt_is_not_turned_into_a_decision() -> None:
     with pytest.raises(KeyboardInterrupt):
-        ab.select_across_ranks(SPEC, platform="cpu", registry=_InterruptedRegistry())
+        select_across_ranks(SPEC, platform="cpu", registry=_InterruptedRegistry())
 
 
 def test_fingerprint_holds_versions_and_device_and_is_canonical(
@@ -295,29 +296,26 @@ class _GraphTwin(torch_sdpa.TorchSdpaBackend):
     """torch-sdpa's twin that declares graph mode, ranked below it on CPU."""
 
     name = "graph-sdpa"
-    capabilities = replace(
-        torch_sdpa.TorchSdpaBackend.capabilities,
-        cuda_graph=True,
-        priority=(abp.PriorityRule("cpu", 10),),
-    )
+    capabilities = replace(torch_sdpa.TorchSdpaBackend.capabilities, cuda_graph=True)
 
 
 def test_graph_mode_and_a_whole_request_reach_the_rank_helper() -> None:
-    reg = ab.Registry()
+    reg = Registry()
     reg.register_plugin(torch_sdpa, name="torch-sdpa")
-    reg.register_plugin(StaticPlugin(_GraphTwin()), name="graph")
-    assert ab.select_across_ranks(SPEC, platform="cpu", registry=reg).name == "torch-sdpa"
-    graph = ab.select_across_ranks(SPEC, platform="cpu", registry=reg, cuda_graph=True)
+    below = abp.Rank("graph-sdpa", after="torch-sdpa", platform="cpu")
+    reg.register_plugin(StaticPlugin(_GraphTwin, ranks=[below]), name="graph")
+    assert select_across_ranks(SPEC, platform="cpu", registry=reg).name == "torch-sdpa"
+    graph = select_across_ranks(SPEC, platform="cpu", registry=reg, cuda_graph=True)
     assert graph.name == "graph-sdpa" and graph.cuda_graph
     request = ab.SelectRequest(SPEC, platform="cpu", cuda_graph=True)
-    assert ab.select_across_ranks(request, registry=reg) is graph
-    with pytest.raises(ab.RankMismatchError) as caught:
-        ab.select_across_ranks(request, registry=reg, strict=True)
-    assert isinstance(caught.value.__cause__, ab.InvalidArgumentError)
+    assert select_across_ranks(request, registry=reg) is graph
+    with pytest.raises(RankMismatchError) as caught:
+        select_across_ranks(request, registry=reg, strict=True)
+    assert isinstance(caught.value.__cause__, InvalidArgumentError)
     assert "not both" in str(caught.value.__cause__)
-    with pytest.raises(ab.RankMismatchError) as caught:
-        ab.select_across_ranks(SPEC, registry=reg, cuda_graphs=True)
-    assert isinstance(caught.value.__cause__, ab.InvalidArgumentError)
+    with pytest.raises(RankMismatchError) as caught:
+        select_across_ranks(SPEC, registry=reg, cuda_graphs=True)
+    assert isinstance(caught.value.__cause__, InvalidArgumentError)
 
 
 def test_rank_mismatch_error_lives_beside_rank_decision() -> None:
@@ -328,13 +326,13 @@ def test_rank_mismatch_error_lives_beside_rank_decision() -> None:
         if isinstance(node, ast.ImportFrom) and node.level > 0
     }
     assert imported == {"_reasons"}, "the errors module imports nothing above it"
-    assert ab.RankMismatchError.__module__ == "attn_backends._select._distributed"
-    assert issubclass(ab.RankMismatchError, ab.AttentionBackendError)
-    assert issubclass(ab.RankMismatchError, RuntimeError)
+    assert RankMismatchError.__module__ == "attn_backends._select._distributed"
+    assert issubclass(RankMismatchError, ab.AttentionBackendError)
+    assert issubclass(RankMismatchError, RuntimeError)
 
 
 def test_a_rank_decision_travels_as_strict_json() -> None:
-    decision = ab.RankDecision(0, "cpu", None, None, error="inf", error_type="ValueError")
+    decision = RankDecision(0, "cpu", None, None, error="inf", error_type="ValueError")
     payload = _json.dumps(dataclasses.asdict(decision), indent=None)
     assert json.loads(payload) == dataclasses.asdict(decision)
     assert json.loads(_json.dumps({"x": float("nan")}, indent=None)) == {

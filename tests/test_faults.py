@@ -16,7 +16,10 @@ import torch
 from attn_backends_builtin import torch_sdpa
 
 import attn_backends as ab
+import attn_backends.deploy
+import attn_backends.errors
 import attn_backends.plugin as abp
+import attn_backends.reference
 from attn_backends import cli
 from tests.plugin_site import PluginSite, open_site
 from tests.static_plugin import StaticPlugin
@@ -30,7 +33,7 @@ def _clean_env(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
         monkeypatch.delenv(var, raising=False)
     monkeypatch.delenv("ATTN_BACKENDS_STRICT", raising=False)
     yield
-    ab.reset_registry()
+    ab.deploy.reset_registry()
 
 
 @pytest.fixture
@@ -38,20 +41,20 @@ def site(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[PluginSite
     yield from open_site(tmp_path, monkeypatch)
 
 
-def _loaded_with(site: PluginSite, name: str, module: str, source: str) -> ab.Registry:
+def _loaded_with(site: PluginSite, name: str, module: str, source: str) -> ab.deploy.Registry:
     """Install one faulty plugin as a distribution and load the whole entry-point group."""
     site.add_module(module, source)
     site.add_dist(f"vendor-{name}", {name: module})
-    reg = ab.Registry()
+    reg = ab.deploy.Registry()
     reg.load_entry_points()
     return reg
 
 
-def _record(reg: ab.Registry, name: str) -> ab.PluginRecord:
+def _record(reg: ab.deploy.Registry, name: str) -> ab.deploy.PluginRecord:
     return next(r for r in reg.records() if r.name == name)
 
 
-def _others_still_work(reg: ab.Registry) -> ab.Selection:
+def _others_still_work(reg: ab.deploy.Registry) -> ab.Selection:
     """torch-sdpa is still loaded and selected, and computes the right numbers."""
     assert _record(reg, "torch-sdpa").status == "loaded"
     sel = ab.select(SPEC, device="cpu", registry=reg)
@@ -60,12 +63,14 @@ def _others_still_work(reg: ab.Registry) -> ab.Selection:
     qkv = torch.randn(12, SPEC.qkv_width, generator=torch.Generator().manual_seed(0))
     ref = ab.reference_attention(qkv, SPEC, params)
     out = sel.backend.forward(qkv.clone(), sel.backend.prepare(params))
-    assert ab.relative_error(out, ref) < ab.TOLERANCE[torch.float32]
+    assert ab.reference.relative_error(out, ref) < ab.reference.TOLERANCE[torch.float32]
     return sel
 
 
-def _shown_by_list(reg: ab.Registry, capsys: pytest.CaptureFixture[str], *texts: str) -> None:
-    ab.reset_registry(reg)
+def _shown_by_list(
+    reg: ab.deploy.Registry, capsys: pytest.CaptureFixture[str], *texts: str
+) -> None:
+    ab.deploy.reset_registry(reg)
     assert cli.main(["list", "--platform", "cpu"]) == 0
     out = capsys.readouterr().out
     for text in texts:
@@ -73,7 +78,7 @@ def _shown_by_list(reg: ab.Registry, capsys: pytest.CaptureFixture[str], *texts:
 
 
 def _check_recorded(
-    reg: ab.Registry, capsys: pytest.CaptureFixture[str], name: str, status: str, error: str
+    reg: ab.deploy.Registry, capsys: pytest.CaptureFixture[str], name: str, status: str, error: str
 ) -> None:
     rec = _record(reg, name)
     assert rec.status == status
@@ -123,12 +128,19 @@ def test_plugin_that_raises_in_its_hook(
 @pytest.mark.parametrize(
     ("returned", "error"),
     [
-        ("[TorchSdpaBackend()]", "hook returned list, not a PluginManifest"),
+        ("[TorchSdpaBackend]", "hook returned list, not a PluginManifest"),
         ("None", "hook returned NoneType, not a PluginManifest"),
-        ("PluginManifest('1.0', [object()])", "object does not implement NoCachePrefill"),
+        (
+            "PluginManifest('2.0', [object()])",
+            "offered an instance of object; plugin API 2.0 registers backend classes",
+        ),
+        (
+            "PluginManifest('2.0', [int])",
+            "int is not a backend class: it has no name, capabilities, supports",
+        ),
         ("PluginManifest(1, [])", "api_version must be a str"),
     ],
-    ids=["list", "none", "not-a-backend", "version-not-str"],
+    ids=["list", "none", "not-a-backend", "not-a-backend-class", "version-not-str"],
 )
 def test_plugin_hook_returns_the_wrong_type(
     site: PluginSite, capsys: pytest.CaptureFixture[str], returned: str, error: str
@@ -157,7 +169,7 @@ def test_plugin_that_takes_a_taken_name(
 
         @hookimpl
         def attn_backends_register(host_api_version):
-            return PluginManifest("1.0", [Impostor()])
+            return PluginManifest("2.0", [Impostor])
     """
     reg = _loaded_with(site, "impostor", "impostor_plugin", source)
     _check_recorded(
@@ -166,11 +178,11 @@ def test_plugin_that_takes_a_taken_name(
     entry = reg.get("torch-sdpa")
     assert entry is not None
     assert entry.plugin == "torch-sdpa"
-    assert type(entry.backend) is torch_sdpa.TorchSdpaBackend
+    assert entry.backend is torch_sdpa.TorchSdpaBackend
 
 
 def test_a_plugin_name_registered_twice_keeps_the_first() -> None:
-    reg = ab.Registry()
+    reg = ab.deploy.Registry()
     first = reg.register_plugin(torch_sdpa, name="torch-sdpa")
     again = reg.register_plugin(torch_sdpa, name="torch-sdpa-again")
     assert first.status == "loaded"
@@ -183,11 +195,8 @@ def test_a_plugin_name_registered_twice_keeps_the_first() -> None:
 # ---- faults of a backend that registered fine -------------------------------------------------
 
 
-_EAGER = abp.Capabilities(
-    platforms=frozenset({"cpu"}),
-    dtypes=frozenset({torch.float32}),
-    priority=(abp.PriorityRule("cpu", 500, note="claims to beat torch-sdpa"),),
-)
+_EAGER = abp.Capabilities(platforms=frozenset({"cpu"}), dtypes=frozenset({torch.float32}))
+"""What each faulty backend below declares; `_with` ranks it before torch-sdpa on the CPU."""
 
 
 class _RaisesInPrepare(torch_sdpa.TorchSdpaBackend):
@@ -218,14 +227,15 @@ class _WrongNumbers(torch_sdpa.TorchSdpaBackend):
         return views.v.repeat_interleave(plan.spec.group_size, dim=1).to(plan.spec.output_dtype)
 
 
-def _with(backend: ab.NoCachePrefill) -> ab.Registry:
-    reg = ab.Registry()
+def _with(backend: type[abp.PrefillBackend]) -> ab.deploy.Registry:
+    """torch-sdpa and ``backend``, which ranks right before it on the CPU (so it is tried first)."""
+    reg = ab.deploy.Registry()
     reg.register_plugin(torch_sdpa, name="torch-sdpa")
-    reg.register_plugin(StaticPlugin(backend), name=f"vendor-{backend.name}")
+    reg.register_plugin(StaticPlugin(backend, first_on="cpu"), name=f"vendor-{backend.name}")
     return reg
 
 
-def _strict_passes_over(reg: ab.Registry, name: str, error: str) -> None:
+def _strict_passes_over(reg: ab.deploy.Registry, name: str, error: str) -> None:
     """Strict mode records the failed canary, takes torch-sdpa, and refuses an explicit choice."""
     sel = ab.select(SPEC, device="cpu", strict=True, registry=reg)
     assert sel.name == "torch-sdpa"
@@ -247,20 +257,22 @@ def _strict_passes_over(reg: ab.Registry, name: str, error: str) -> None:
 @pytest.mark.parametrize(
     ("backend", "step", "cause"),
     [
-        (_RaisesInPrepare(), "plan_kernel", RuntimeError),
-        (_RaisesInForward(), "attend", ValueError),
+        (_RaisesInPrepare, "plan_kernel", RuntimeError),
+        (_RaisesInForward, "attend", ValueError),
     ],
     ids=["prepare", "forward"],
 )
 def test_backend_that_claims_support_then_raises(
-    backend: ab.NoCachePrefill, step: str, cause: type[Exception]
+    backend: type[abp.PrefillBackend], step: str, cause: type[Exception]
 ) -> None:
     reg = _with(backend)
     sel = ab.select(SPEC, device="cpu", registry=reg)
     assert sel.name == backend.name
     params = ab.FMHAParams.from_lengths([4, 4], device="cpu")
     qkv = torch.randn(8, SPEC.qkv_width, generator=torch.Generator().manual_seed(1))
-    with pytest.raises(ab.BackendFailure, match=f"backend {backend.name} failed in {step}") as info:
+    with pytest.raises(
+        ab.errors.BackendFailure, match=f"backend {backend.name} failed in {step}"
+    ) as info:
         sel.backend.forward(qkv, sel.backend.prepare(params))
     assert isinstance(info.value.__cause__, cause)
     _strict_passes_over(
@@ -269,24 +281,33 @@ def test_backend_that_claims_support_then_raises(
 
 
 def test_backend_that_returns_wrong_numbers() -> None:
-    reg = _with(_WrongNumbers())
+    reg = _with(_WrongNumbers)
     _strict_passes_over(reg, "wrong-numbers", "differs from the float64 reference: relative error")
     sel = ab.select(SPEC, device="cpu", strict=True, registry=reg)
     reason = next(c for c in sel.candidates if c.name == "wrong-numbers").reasons[0]
     assert reason.got is not None
-    assert float(reason.got) > ab.TOLERANCE[torch.float32]
+    assert float(reason.got) > ab.reference.TOLERANCE[torch.float32]
 
 
 class _SupportsRaises(torch_sdpa.TorchSdpaBackend):
     name = "supports-raises"
     capabilities = _EAGER
 
-    def extra_reasons(self, spec: ab.AttentionSpec, platform: ab.Platform) -> list[ab.Reason]:
+    @classmethod
+    def extra_reasons(cls, spec: ab.AttentionSpec, platform: ab.Platform) -> list[ab.Reason]:
         raise KeyError("device table")
 
 
 class _BindRaises(torch_sdpa.TorchSdpaBackend):
     name = "bind-raises"
+    capabilities = _EAGER
+
+    def kernel_variant(self, spec: ab.AttentionSpec, platform: ab.Platform) -> object:
+        raise RuntimeError("cannot query the kernel variant")
+
+
+class _DescribeRaises(torch_sdpa.TorchSdpaBackend):
+    name = "describe-raises"
     capabilities = _EAGER
 
     def describe(self, platform: ab.Platform) -> dict[str, str]:
@@ -296,12 +317,15 @@ class _BindRaises(torch_sdpa.TorchSdpaBackend):
 @pytest.mark.parametrize(
     ("backend", "error"),
     [
-        (_SupportsRaises(), "supports() raised KeyError: 'device table'"),
-        (_BindRaises(), "bind()/describe() raised RuntimeError: cannot query the kernel variant"),
+        (_SupportsRaises, "supports() raised KeyError: 'device table'"),
+        (_BindRaises, "binding raised RuntimeError: cannot query the kernel variant"),
+        (_DescribeRaises, "describe() raised RuntimeError: cannot query the kernel variant"),
     ],
-    ids=["supports", "bind"],
+    ids=["supports", "bind", "describe"],
 )
-def test_backend_that_raises_while_being_judged(backend: ab.NoCachePrefill, error: str) -> None:
+def test_backend_that_raises_while_being_judged(
+    backend: type[abp.PrefillBackend], error: str
+) -> None:
     reg = _with(backend)
     sel = ab.select(SPEC, device="cpu", registry=reg)
     assert sel.name == "torch-sdpa"

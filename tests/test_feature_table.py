@@ -14,6 +14,7 @@ from attn_backends_builtin import _masks, flex, torch_sdpa
 
 import attn_backends as ab
 import attn_backends.plugin as abp
+import attn_backends.reference
 from attn_backends._backend import _reference
 from attn_backends._model import _feature_table, _features
 from attn_backends._select._selector import _spec_line
@@ -32,10 +33,10 @@ def run(backend: type[abp.PrefillBackend], spec: ab.AttentionSpec, seed: int) ->
     params = ab.FMHAParams.from_lengths(LENGTHS, device="cpu")
     gen = torch.Generator().manual_seed(seed)
     qkv = torch.randn(params.token_q_num, spec.qkv_width, generator=gen).to(spec.dtype)
-    bound = backend().bind(spec)
+    bound = backend.bind(spec)
     out = bound.forward(qkv.clone(), bound.prepare(params))
     assert torch.isfinite(out).all()
-    return ab.relative_error(out, ab.reference_attention(qkv, spec, params))
+    return ab.reference.relative_error(out, ab.reference_attention(qkv, spec, params))
 
 
 # ---- the table ------------------------------------------------------------------------------
@@ -144,7 +145,7 @@ def test_generated_cases_follow_the_declared_limits():
         (lambda: ab.AlibiSpec((0.5, -0.25)), "from 0 to 1e6"),
         (lambda: ab.AlibiSpec((float("inf"),)), "from 0 to 1e6"),
         (lambda: ab.HeadwiseConfig(frozenset(), swa_token_num=10**400), "at most 2147483647"),
-        (lambda: ab.bloom_alibi_slopes(0), "positive int of heads"),
+        (lambda: abp.bloom_alibi_slopes(0), "positive int of heads"),
     ],
     ids=[
         "window-maxsize",
@@ -209,7 +210,7 @@ EXTREME_SLOPES = ab.AlibiSpec(tuple((0.0, _features.MAX_ALIBI_SLOPE)[h % 2] for 
 )
 def test_the_bounds_themselves_compute_like_the_reference(backend, causal, kw, dtype):
     spec = spec_of(causal, dtype, **kw)
-    assert run(backend, spec, seed=11) < ab.TOLERANCE[dtype]
+    assert run(backend, spec, seed=11) < ab.reference.TOLERANCE[dtype]
 
 
 def test_the_widest_window_is_no_window():
@@ -219,10 +220,10 @@ def test_the_widest_window_is_no_window():
     )
     wide = spec_of(False, window=ab.SlidingWindow(WIDEST, WIDEST))
     for backend in (torch_sdpa.TorchSdpaBackend, flex.FlexBackend):
-        bound = backend().bind(wide)
+        bound = backend.bind(wide)
         out = bound.forward(qkv.clone(), bound.prepare(params))
         plain = ab.reference_attention(qkv, spec_of(False), params)
-        assert ab.relative_error(out, plain) < ab.TOLERANCE[torch.float32]
+        assert ab.reference.relative_error(out, plain) < ab.reference.TOLERANCE[torch.float32]
 
 
 # ---- one stored form for ALiBi slopes that mean the same ------------------------------------
@@ -230,7 +231,7 @@ def test_the_widest_window_is_no_window():
 
 def test_blooms_slopes_written_out_are_alibispec():
     default = spec_of(alibi=ab.AlibiSpec())
-    written = spec_of(alibi=ab.AlibiSpec(ab.bloom_alibi_slopes(8)))
+    written = spec_of(alibi=ab.AlibiSpec(abp.bloom_alibi_slopes(8)))
     assert written == default and hash(written) == hash(default)
     assert written.alibi is not None and written.alibi.slopes is None
     assert written.to_dict() == default.to_dict()

@@ -8,13 +8,14 @@ import pytest
 import torch
 
 import attn_backends as ab
+import attn_backends.errors
 from attn_backends._select._flags import derive_need_rope_kv_cache
 
 PLAIN = ab.AttentionSpec(4, 4, 64, torch.float32, causal=False)
 ROPE = ab.AttentionSpec(4, 4, 64, torch.float32, causal=True, rope=ab.RopeSpec(1e4))
 LOGN = ab.AttentionSpec(4, 4, 64, torch.float32, causal=True, use_logn_attn=True, logn_base=8)
 MLA = ab.AttentionSpec(4, 4, 64, torch.float32, causal=True, use_mla=True)
-ERR = ab.KVCacheFlagError
+ERR = ab.errors.KVCacheFlagError
 
 # (spec, has_kv_cache, explicit) -> expected bool, or the error raised
 TABLE = [

@@ -70,20 +70,20 @@ def test_backends_list_the_modules_of_every_per_batch_path(monkeypatch):
         monkeypatch.setattr(plugin, "device_sm", lambda device: 90)
     short = ab.AttentionSpec(16, 8, 128, torch.bfloat16, causal=True, rope=ab.RopeSpec(1e6))
     cuda = torch.device("cuda")
-    names = [m.name for m in FlashinferRopeBackend().kernel_modules(short, cuda)]
+    names = [m.name for m in FlashinferRopeBackend.kernel_modules(short, cuda)]
     assert names == [
         "flashinfer fa2 bfloat16 d128 posenc=ROPE_LLAMA",
         "flashinfer fa3 bfloat16 d128 posenc=NONE",
     ], "fused RoPE up to its length, the separate pass past it"
-    assert [m.name for m in FlashinferBackend().kernel_modules(short, cuda)] == [
+    assert [m.name for m in FlashinferBackend.kernel_modules(short, cuda)] == [
         "flashinfer fa3 bfloat16 d128 posenc=NONE"
     ]
-    assert [m.name for m in TrtBackend().kernel_modules(short, cuda)] == [
+    assert [m.name for m in TrtBackend.kernel_modules(short, cuda)] == [
         "flashinfer fmha_v2 PACKED_QKV bfloat16"
     ]
 
 
 def test_off_cuda_there_is_nothing_to_build():
     spec = ab.AttentionSpec(4, 4, 64, torch.bfloat16, causal=False)
-    assert FlashinferBackend().kernel_modules(spec, torch.device("cpu")) == ()
-    assert abp.PrefillBackend.kernel_modules(FlashinferBackend(), spec, torch.device("cpu")) == ()
+    assert FlashinferBackend.kernel_modules(spec, torch.device("cpu")) == ()
+    assert abp.PrefillBackend.kernel_modules(spec, torch.device("cpu")) == ()

@@ -14,6 +14,8 @@ import torch
 from attn_backends_builtin import flashinfer, flex, headwise, torch_sdpa
 
 import attn_backends as ab
+from attn_backends.deploy import Registry
+from attn_backends.reference import TOLERANCE, relative_error
 from tests.backend_support import registry_of
 
 CPU = ab.detect_platform("cpu")
@@ -26,7 +28,7 @@ STRIDE_EXTRA = 24
 
 
 @pytest.fixture(scope="module")
-def registry() -> ab.Registry:
+def registry() -> Registry:
     """The built-in backends that serve these features, flex included."""
     return registry_of(
         {"torch-sdpa": torch_sdpa, "flashinfer": flashinfer, "headwise": headwise, "flex": flex}
@@ -61,9 +63,10 @@ def test_selector_picks_flex_for_softcap_on_cpu(registry):
 def test_selector_keeps_torch_sdpa_where_it_serves_the_spec_on_cpu(registry, kw):
     sel = ab.select(spec_of(True, **kw), platform=CPU, registry=registry)
     assert sel.name == "torch-sdpa"
-    ranked = {c.name: c.priority for c in sel.candidates}
+    ranked = {c.name: c.rank for c in sel.candidates}
     flex_rank, sdpa_rank = ranked["flex"], ranked["torch-sdpa"]
-    assert flex_rank is not None and sdpa_rank is not None and flex_rank < sdpa_rank
+    # ranks are places in line (1: tried first): flex stands after torch-sdpa on CPU
+    assert flex_rank is not None and sdpa_rank is not None and sdpa_rank < flex_rank
 
 
 @pytest.mark.parametrize(
@@ -111,7 +114,7 @@ HW = ab.HeadwiseConfig(frozenset({0}), sink_token_num=2, swa_token_num=4, seqlen
 @pytest.mark.parametrize("platform", [CPU, SM90], ids=["cpu", "sm90"])
 def test_flex_serves_headwise_masks_under_its_own_name(registry, platform):
     """Headwise masks are one more term of flex's mask: the selector picks flex, and the
-    former name ``headwise`` (flex without priority rules) runs only when asked for."""
+    former name ``headwise`` (flex with no row in the ranking table) runs only when asked for."""
     spec = spec_of(True, dtype=torch.bfloat16, headwise=HW)
     sel = ab.select(spec, platform=platform, registry=registry)
     assert sel.name == "flex"
@@ -188,7 +191,7 @@ def test_flex_matches_the_reference(registry, feature, causal, kv_heads):
     expected = ab.reference_attention(qkv, spec, params)
     out = sel.backend.forward(qkv.clone(), sel.backend.prepare(params))
     assert out.shape == (sum(LENGTHS), spec.q_width)
-    assert ab.relative_error(out, expected) < ab.TOLERANCE[dtype]
+    assert relative_error(out, expected) < TOLERANCE[dtype]
 
 
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
@@ -198,7 +201,7 @@ def test_flex_matches_the_reference_in_16_bit(registry, dtype):
     sel = ab.select(spec, backend="flex", platform=CPU, registry=registry)
     out = sel.backend.forward(qkv.clone(), sel.backend.prepare(params))
     assert out.dtype == dtype
-    assert ab.relative_error(out, ab.reference_attention(qkv, spec, params)) < ab.TOLERANCE[dtype]
+    assert relative_error(out, ab.reference_attention(qkv, spec, params)) < TOLERANCE[dtype]
 
 
 def test_softcap_acts_on_the_scaled_score(registry):
@@ -212,6 +215,6 @@ def test_softcap_acts_on_the_scaled_score(registry):
     swapped = ab.reference_attention(
         qkv, spec_of(True, logit_softcap=cap * scale, softmax_scale=scale), params
     )
-    tolerance = ab.TOLERANCE[torch.float32]
-    assert ab.relative_error(out, ab.reference_attention(qkv, spec, params)) < tolerance
-    assert ab.relative_error(out, swapped) > 100 * tolerance
+    tolerance = TOLERANCE[torch.float32]
+    assert relative_error(out, ab.reference_attention(qkv, spec, params)) < tolerance
+    assert relative_error(out, swapped) > 100 * tolerance

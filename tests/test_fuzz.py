@@ -22,6 +22,8 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 import attn_backends as ab
+import attn_backends.deploy
+import attn_backends.reference
 
 CASES: Counter[str] = Counter()
 """Cases tried per property and outcome, for the terminal summary."""
@@ -141,7 +143,7 @@ def spec_fields(draw: st.DrawFn) -> tuple[dict[str, Any], frozenset[str]]:
         "num_heads": heads,
         "num_kv_heads": kv,
         "head_dim": dim,
-        "dtype": draw(st.sampled_from(sorted(ab.TOLERANCE, key=str))),
+        "dtype": draw(st.sampled_from(sorted(ab.reference.TOLERANCE, key=str))),
         "causal": causal,
         "use_logn_attn": logn,
         "logn_base": draw(st.integers(2, 8192)) if logn else None,
@@ -180,7 +182,7 @@ def _check_spec(spec: ab.AttentionSpec) -> None:
     assert spec.num_heads % spec.num_kv_heads == 0
     for flag in (spec.causal, spec.use_logn_attn, spec.use_mla):
         assert type(flag) is bool
-    assert spec.dtype in ab.TOLERANCE
+    assert spec.dtype in ab.reference.TOLERANCE
     assert math.isfinite(spec.scale)
     assert spec.scale > 0
     if spec.rope is not None:
@@ -448,7 +450,7 @@ def _snapshot(t: torch.Tensor) -> torch.Tensor:
     return t.detach().clone()
 
 
-SDPA = ab.Registry()
+SDPA = ab.deploy.Registry()
 SDPA.register_plugin(torch_sdpa, name="torch-sdpa")
 
 
@@ -474,7 +476,11 @@ def test_fuzz_forward(
         )
 
     def run() -> torch.Tensor:
-        planner = backend if plan_spec == spec else backend.bind(plan_spec)
+        planner = (
+            backend
+            if plan_spec == spec
+            else ab.select(plan_spec, backend="torch-sdpa", platform="cpu", registry=SDPA).backend
+        )
         plan = planner.prepare(plan_params)
         return backend.forward(data.qkv, plan, fp8_scales=data.scales)  # type: ignore[arg-type]
 
@@ -494,8 +500,8 @@ def test_fuzz_forward(
     assert out.dtype == spec.dtype
     pristine = before if data.packed is data.backing else _pristine_view(before, data)
     ref = ab.reference_attention(pristine, spec, data.params)
-    err = ab.relative_error(out, ref)
-    assert err < ab.TOLERANCE[spec.dtype], f"relative error {err:.3g} for {form}"
+    err = ab.reference.relative_error(out, ref)
+    assert err < ab.reference.TOLERANCE[spec.dtype], f"relative error {err:.3g} for {form}"
     v_cols = slice(spec.q_width + spec.kv_width, spec.qkv_width)
     assert torch.equal(data.packed[:, v_cols].detach(), pristine[:, v_cols]), "V written"
     assert torch.equal(data.packed[tokens:].detach(), pristine[tokens:]), "padding written"
@@ -570,16 +576,16 @@ def select_args(draw: st.DrawFn) -> dict[str, Any]:
 
 
 @pytest.fixture(scope="module")
-def installed() -> ab.Registry:
+def installed() -> ab.deploy.Registry:
     """Every installed plugin, loaded through the entry points, as an engine would see them."""
-    reg = ab.Registry()
-    reg.load_entry_points(policy=ab.PluginPolicy())
+    reg = ab.deploy.Registry()
+    reg.load_entry_points(policy=ab.deploy.PluginPolicy())
     return reg
 
 
 @fuzz(500)
 @given(args=select_args())
-def test_fuzz_select(installed: ab.Registry, args: dict[str, Any]) -> None:
+def test_fuzz_select(installed: ab.deploy.Registry, args: dict[str, Any]) -> None:
     sel, error = _attempt(lambda: ab.select(registry=installed, **args))
     if error is not None:
         _refused("select", error)

@@ -11,7 +11,9 @@ from attn_backends_builtin import flashinfer as flashinfer_plugin
 from attn_backends_builtin.flashinfer import GraphRagged
 
 import attn_backends as ab
+import attn_backends.errors
 import attn_backends.plugin as abp
+import attn_backends.reference
 from attn_backends._path._graph import PAD_CHUNK, slot_lengths
 from tests.fakes.fake_flashinfer import FakeFlashinfer, install
 
@@ -55,7 +57,7 @@ def batch(lengths, seed, spec=SPEC, rows=BUCKET.max_tokens):
     ],
 )
 def test_bucket_fields_are_checked(kwargs, match):
-    with pytest.raises(ab.ParamsError, match=match):
+    with pytest.raises(ab.errors.ParamsError, match=match):
         ab.GraphBucket(**kwargs)
 
 
@@ -87,7 +89,9 @@ def test_one_wrapper_replanned_in_place_serves_every_batch(fake):
         tokens = params.token_q_num
         assert plan.token_q_num == tokens and plan.valid(out).shape == (tokens, SPEC.q_width)
         ref = ab.reference_attention(pristine, SPEC, params)
-        assert ab.relative_error(plan.valid(out), ref) < ab.TOLERANCE[SPEC.dtype]
+        assert (
+            ab.reference.relative_error(plan.valid(out), ref) < ab.reference.TOLERANCE[SPEC.dtype]
+        )
         assert torch.equal(qkv, pristine), "no RoPE: the buffer is not written"
         assert kernel.indptr is indptr, "the captured offsets stay where they were"
         assert indptr.tolist()[-1] == BUCKET.max_tokens
@@ -112,9 +116,9 @@ def test_fused_rope_is_decided_once_per_bucket(fake):
     pristine = qkv.clone()
     out = backend.forward(qkv, plan)
     ref = ab.reference_attention(pristine, spec, params)
-    assert ab.relative_error(plan.valid(out), ref) < ab.TOLERANCE[spec.dtype]
+    assert ab.reference.relative_error(plan.valid(out), ref) < ab.reference.TOLERANCE[spec.dtype]
     assert torch.equal(qkv, pristine), "fused RoPE leaves the buffer as it was"
-    with pytest.raises(ab.ParamsError, match="a sequence of 65 tokens > 64"):
+    with pytest.raises(ab.errors.ParamsError, match="a sequence of 65 tokens > 64"):
         plan.update(ab.FMHAParams.from_lengths((65,), device="cpu", padded_rows=128))
 
 
@@ -131,21 +135,21 @@ def test_a_batch_that_does_not_fit_changes_nothing(fake, lengths, rows, match):
     params, qkv = batch((7, 9), 0)
     plan.update(params)
     planned = len(fake.named(PLAN))
-    with pytest.raises(ab.ParamsError, match=match):
+    with pytest.raises(ab.errors.ParamsError, match=match):
         plan.update(ab.FMHAParams.from_lengths(lengths, device="cpu", padded_rows=rows))
     assert plan.params is params and len(fake.named(PLAN)) == planned
     out = backend.forward(qkv.clone(), plan)
     ref = ab.reference_attention(qkv, SPEC, plan.current())
-    assert ab.relative_error(plan.valid(out), ref) < ab.TOLERANCE[SPEC.dtype]
+    assert ab.reference.relative_error(plan.valid(out), ref) < ab.reference.TOLERANCE[SPEC.dtype]
 
 
 def test_forward_before_update_and_wrong_buffers_are_refused(fake):
     backend, plan = graph_plan()
     _, qkv = batch((4,), 0)
-    with pytest.raises(ab.ParamsError, match=r"call plan.update\(params\) before forward"):
+    with pytest.raises(ab.errors.ParamsError, match=r"call plan.update\(params\) before forward"):
         backend.forward(qkv, plan)
     plan.update(ab.FMHAParams.from_lengths((4,), device="cpu", padded_rows=160))
-    with pytest.raises(ab.PackedQKVError, match="120 rows for a plan of 160 rows"):
+    with pytest.raises(ab.errors.PackedQKVError, match="120 rows for a plan of 160 rows"):
         backend.forward(qkv[:120], plan)
     other = ab.select(SPEC, backend="flashinfer", platform=SM90).backend
     eager = other.prepare(ab.FMHAParams.from_lengths((4,), device="cpu", padded_rows=160))
@@ -164,7 +168,7 @@ def test_backends_without_graph_mode_are_refused_with_a_reason(fake, name):
     assert ab.ReasonCode.CUDA_GRAPH in codes
     bound = ab.select(spec, backend=name, platform=SM90).backend
     assert isinstance(bound, abp.PrefillBackend)
-    with pytest.raises(ab.GraphModeError, match="does not declare graph mode") as refused:
+    with pytest.raises(ab.errors.GraphModeError, match="does not declare graph mode") as refused:
         bound.prepare_graph(BUCKET, device="cpu")
     assert refused.value.reasons[0][1][0].code is ab.ReasonCode.CUDA_GRAPH
 
@@ -182,7 +186,7 @@ def test_a_rope_pass_that_cannot_be_replayed_is_refused(fake):
     spec = ab.AttentionSpec(8, 2, 64, torch.bfloat16, causal=True, rope=ab.RopeSpec(1e4))
     backend = ab.select(spec, backend="flashinfer", platform=SM90, cuda_graph=True).backend
     assert isinstance(backend, ab.CudaGraphPrefill)
-    with pytest.raises(ab.GraphModeError, match="the torch RoPE/logn pass") as info:
+    with pytest.raises(ab.errors.GraphModeError, match="the torch RoPE/logn pass") as info:
         backend.prepare_graph(BUCKET, device="cpu")
     reason = info.value.reasons[0][1][0]
     assert reason.field == "preprocess" and reason.got == "torch"

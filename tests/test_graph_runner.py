@@ -19,6 +19,8 @@ import torch
 from attn_backends_builtin import flashinfer as flashinfer_plugin
 
 import attn_backends as ab
+import attn_backends.errors
+import attn_backends.reference
 from attn_backends.integrations import transformers as abt
 from attn_backends.integrations.graph_runner import GraphRunner
 from tests.fakes.fake_flashinfer import install
@@ -83,7 +85,7 @@ def _reference(ref, seqs, offset=0):
 def _check(out, seqs, cu, expected, tol):
     assert out.shape[:2] == (1, cu[-1])
     for (a, b), want in zip(itertools.pairwise(cu), expected, strict=True):
-        err = ab.relative_error(out[0, a:b].float(), want.float())
+        err = ab.reference.relative_error(out[0, a:b].float(), want.float())
         assert err < tol, f"sequence of {b - a} tokens: {err:.3g}"
 
 
@@ -161,7 +163,7 @@ def test_padding_rows_never_reach_the_output():
 
 def test_a_model_on_another_attention_is_refused():
     _, ref = _models("bert")
-    with pytest.raises(ab.IntegrationError, match="attn_implementation='sdpa'"):
+    with pytest.raises(ab.errors.IntegrationError, match="attn_implementation='sdpa'"):
         GraphRunner(ref, [SMALL])
 
 
@@ -182,9 +184,9 @@ def test_malformed_batches_are_refused():
     runner = GraphRunner(model, [SMALL])
     _, ids, _cu = _batch((5, 9), 0)
     for bad in ([0, 5], [0, 5, 5, 14], [1, 14]):
-        with pytest.raises(ab.IntegrationError, match="one packed row"):
+        with pytest.raises(ab.errors.IntegrationError, match="one packed row"):
             runner(ids, bad)
-    with pytest.raises(ab.ParamsError, match="capture needs graph plans"):
+    with pytest.raises(ab.errors.ParamsError, match="capture needs graph plans"):
         GraphRunner(model, [SMALL], capture=True)
 
 
@@ -204,7 +206,7 @@ def test_positions_and_bounds_of_another_shape_or_dtype_are_refused(cu, position
     model, _ = _models("bert")
     runner = GraphRunner(model, [SMALL])
     _, ids, good_cu = _batch((5, 9), 0)
-    with pytest.raises(ab.IntegrationError, match=match):
+    with pytest.raises(ab.errors.IntegrationError, match=match):
         runner(ids, good_cu if cu is None else cu, position_ids=positions)
 
 
@@ -271,7 +273,7 @@ def test_a_model_switched_to_another_attention_after_wrapping_is_refused():
     _, ids, cu = _batch((5, 9), 0)
     runner(ids, cu)
     model.set_attn_implementation("eager")
-    with pytest.raises(ab.IntegrationError, match="switched to attn_implementation='eager'"):
+    with pytest.raises(ab.errors.IntegrationError, match="switched to attn_implementation='eager'"):
         runner(ids, cu)
     model.set_attn_implementation(runner.attn_implementation)
     runner(ids, cu)  # set back: served again
@@ -297,7 +299,7 @@ def test_a_first_batch_of_one_sequence_proves_nothing_about_boundaries():
     _, one, cu_one = _batch((6,), 0)
     runner(one, cu_one)
     _, two, cu_two = _batch((5, 7), 1)
-    with pytest.raises(ab.IntegrationError, match="conv"):
+    with pytest.raises(ab.errors.IntegrationError, match="conv"):
         runner(two, cu_two)
 
 

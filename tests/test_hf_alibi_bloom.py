@@ -27,6 +27,8 @@ import torch
 transformers = pytest.importorskip("transformers")
 
 import attn_backends as ab  # noqa: E402
+import attn_backends.plugin as abp  # noqa: E402
+import attn_backends.reference  # noqa: E402
 
 HEADS = 6
 HEAD_DIM = 16
@@ -121,7 +123,9 @@ def _errors(layer: Layer, valid: torch.Tensor, spec: ab.AttentionSpec) -> tuple[
     packed = torch.cat([r.reshape(r.shape[0], -1) for r in rows], dim=1)
     truth = ab.reference_attention(packed, dataclasses.replace(spec, dtype=packed.dtype), params)
     hf = layer.context[valid]
-    return ab.relative_error(got.reshape(hf.shape), hf.double()), ab.relative_error(hf, truth)
+    return ab.reference.relative_error(
+        got.reshape(hf.shape), hf.double()
+    ), ab.reference.relative_error(hf, truth)
 
 
 @pytest.mark.parametrize("left", [False, True], ids=["right-pad", "left-pad"])
@@ -143,8 +147,8 @@ def test_bloom_layers_match_causal_alibi_with_bloom_slopes(dtype, left):
     "wrong",
     [
         None,
-        ab.AlibiSpec(tuple(reversed(ab.bloom_alibi_slopes(HEADS)))),
-        ab.AlibiSpec(tuple(2 * s for s in ab.bloom_alibi_slopes(HEADS))),
+        ab.AlibiSpec(tuple(reversed(abp.bloom_alibi_slopes(HEADS)))),
+        ab.AlibiSpec(tuple(2 * s for s in abp.bloom_alibi_slopes(HEADS))),
     ],
     ids=["no-alibi", "slopes-reversed", "slopes-doubled"],
 )

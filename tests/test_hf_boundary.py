@@ -31,6 +31,9 @@ import torch
 transformers = pytest.importorskip("transformers")
 
 import attn_backends as ab  # noqa: E402
+import attn_backends.deploy  # noqa: E402
+import attn_backends.errors  # noqa: E402
+import attn_backends.reference  # noqa: E402
 from attn_backends.integrations import _hf_mask, _hf_models  # noqa: E402
 from attn_backends.integrations import transformers as abt  # noqa: E402
 from tests import hf_support as hf  # noqa: E402
@@ -122,7 +125,7 @@ def test_case1_models_that_bypass_the_registry_are_refused_by_name(class_name):
         dict(abt.pack_sequences([[5, 6, 7], [8, 9]])),
     ]
     for batch in inputs:
-        with pytest.raises(ab.IntegrationError, match=rf"{class_name}.*'sdpa' or 'eager'"):
+        with pytest.raises(ab.errors.IntegrationError, match=rf"{class_name}.*'sdpa' or 'eager'"):
             hf.run(model, NAME, **batch)
 
 
@@ -153,7 +156,9 @@ def test_case1_a_model_that_ignores_packed_boundaries_is_refused_at_unpack():
     assert torch.equal(own, hf.run(model, "eager", input_ids=ids, attention_mask=mask))
     packed = abt.pack_sequences([[5, 6, 7], [8, 9]])
     hidden = hf.run(model, NAME, **packed)
-    with pytest.raises(ab.IntegrationError, match="no attention layer served these cu_seq_lens"):
+    with pytest.raises(
+        ab.errors.IntegrationError, match="no attention layer served these cu_seq_lens"
+    ):
         abt.unpack_hidden(hidden, packed["cu_seq_lens_q"])
 
 
@@ -163,7 +168,7 @@ def test_unpacking_with_a_copy_of_cu_seq_lens_on_another_device_names_the_copy()
     (not that the model ignored the boundaries)."""
     packed = abt.pack_sequences([[5, 6, 7], [8, 9]])
     hidden = torch.empty(1, 5, 4, device="meta")
-    with pytest.raises(ab.IntegrationError, match="on cpu and the hidden states on meta"):
+    with pytest.raises(ab.errors.IntegrationError, match="on cpu and the hidden states on meta"):
         abt.unpack_hidden(hidden, packed["cu_seq_lens_q"])
 
 
@@ -297,7 +302,7 @@ def test_case4_packed_boundaries_rewritten_in_place_without_the_mask_hook():
         cu.copy_(torch.tensor([0, 2, 9], dtype=torch.int32))
         out, _ = abt.attention_forward(layer, q, k, v, None, cu_seq_lens_q=cu)
     want = ab.reference_attention(qkv, spec, ab.FMHAParams.from_lengths([2, 7], device="cpu"))
-    assert ab.relative_error(out.reshape(9, -1), want) < 1e-5
+    assert ab.reference.relative_error(out.reshape(9, -1), want) < 1e-5
 
 
 # --- 5. plans per backend and spec ------------------------------------------------------------
@@ -377,7 +382,7 @@ def _served_packed(sequences: list[list[int]]) -> abt.PackedBatch:
 def test_case6_unpack_hidden_validates_its_bounds(bounds, tokens):
     _served_packed([[5, 6, 7], [8, 9]])
     cu = torch.tensor(bounds, dtype=torch.int32)
-    with pytest.raises(ab.IntegrationError, match="do not split the"):
+    with pytest.raises(ab.errors.IntegrationError, match="do not split the"):
         abt.unpack_hidden(torch.zeros(1, tokens, 4), cu)
 
 
@@ -393,7 +398,7 @@ def test_case6_unpack_hidden_validates_its_bounds(bounds, tokens):
 )
 def test_case6_cu_seq_lens_of_another_dtype_or_device_are_refused_by_name(cu, match):
     q = torch.randn(1, 2, 5, 16, generator=torch.Generator().manual_seed(1))
-    with pytest.raises(ab.IntegrationError, match=match):
+    with pytest.raises(ab.errors.IntegrationError, match=match):
         abt.attention_forward(torch.nn.Module(), q, q, q, None, cu_seq_lens_q=cu)
 
 
@@ -413,15 +418,15 @@ def test_case6_pack_and_unpack_refuse_bad_arguments():
     packed = _served_packed([[5, 6, 7], [8, 9]])
     cu = packed["cu_seq_lens_q"]
     assert [p.shape[0] for p in abt.unpack_hidden(torch.zeros(1, 5, 4), cu)] == [3, 2]
-    with pytest.raises(ab.IntegrationError, match="1-D integer tensor"):
+    with pytest.raises(ab.errors.IntegrationError, match="1-D integer tensor"):
         abt.unpack_hidden(torch.zeros(1, 5, 4), cu.float())
-    with pytest.raises(ab.IntegrationError, match=r"\[1, tokens, channels\]"):
+    with pytest.raises(ab.errors.IntegrationError, match=r"\[1, tokens, channels\]"):
         abt.unpack_hidden(torch.zeros(2, 5, 4), cu)
     bad_batches: list[Any] = [[[5, -1]], [[5, 2.0]], [[]], []]
     for bad in bad_batches:
-        with pytest.raises(ab.IntegrationError, match="pack_sequences"):
+        with pytest.raises(ab.errors.IntegrationError, match="pack_sequences"):
             abt.pack_sequences(bad)
-    with pytest.raises(ab.IntegrationError, match="position_offset"):
+    with pytest.raises(ab.errors.IntegrationError, match="position_offset"):
         abt.pack_sequences([[5]], position_offset=-1)
 
 
@@ -452,7 +457,7 @@ def test_case7_padded_prefill_with_a_cache_is_served_and_decoding_refused():
         out = model(input_ids=ids, attention_mask=mask, use_cache=True)
         step = torch.ones(2, 7, dtype=torch.long)
         step[1, :2] = 0
-        with pytest.raises(ab.IntegrationError, match="KV cache"):
+        with pytest.raises(ab.errors.IntegrationError, match="KV cache"):
             model(
                 input_ids=_ids(2, 1),
                 attention_mask=step,
@@ -487,7 +492,7 @@ def test_case8_a_backend_disabled_afterwards_is_not_served(monkeypatch):
     monkeypatch.setenv("ATTN_BACKENDS_DISABLE", "torch-sdpa")
     assert "torch-sdpa" not in served_by()
     monkeypatch.delenv("ATTN_BACKENDS_DISABLE")
-    ab.reset_registry()
+    ab.deploy.reset_registry()
     assert served_by() == first
     monkeypatch.setenv("ATTN_BACKEND", "flex")
     assert served_by() == {"flex"}

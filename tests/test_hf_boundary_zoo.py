@@ -32,7 +32,7 @@ import torch
 
 transformers = pytest.importorskip("transformers")
 
-from attn_backends import IntegrationError  # noqa: E402
+from attn_backends.errors import IntegrationError  # noqa: E402
 from attn_backends.integrations import _hf_mask, _hf_models, _packed  # noqa: E402
 from attn_backends.integrations import transformers as abt  # noqa: E402
 from attn_backends.integrations.transformers import MaskMismatchError  # noqa: E402

@@ -22,6 +22,7 @@ import torch
 transformers = pytest.importorskip("transformers")
 
 import attn_backends as ab  # noqa: E402
+import attn_backends.errors  # noqa: E402
 from attn_backends.integrations import _hf_features, _hf_mask  # noqa: E402
 from attn_backends.integrations import transformers as abt  # noqa: E402
 from tests import hf_support as hf  # noqa: E402
@@ -158,7 +159,7 @@ def test_a_padding_hole_under_chunks_is_refused_and_named(model):
 def test_a_chunk_the_spec_cannot_take_is_refused_by_name():
     config = transformers.Llama4TextConfig(attention_chunk_size=4)
     config.attention_chunk_size = 0
-    with pytest.raises(ab.IntegrationError, match=r"Llama4.*attention_chunk_size=0"):
+    with pytest.raises(ab.errors.IntegrationError, match=r"Llama4.*attention_chunk_size=0"):
         _hf_features.chunk_from_hf(config, 0, "Llama4TextModel")
     assert _hf_features.chunk_from_hf(config, 7, "Llama4TextModel") is None  # a window's size
 
@@ -173,7 +174,9 @@ def test_graph_runner_refuses_chunks_by_name(model):
     runner = GraphRunner(model, [ab.GraphBucket(max_tokens=32, max_batch=4)])
     with (
         torch.no_grad(),
-        pytest.raises(ab.FeatureNotSupportedError, match=r"Llama4TextModel.*chunked.*GraphRunner"),
+        pytest.raises(
+            ab.errors.FeatureNotSupportedError, match=r"Llama4TextModel.*chunked.*GraphRunner"
+        ),
     ):
         runner(packed["input_ids"], packed["cu_seq_lens_q"])
     model.set_attn_implementation(NAME)  # the runner switched it to its own functions

@@ -24,6 +24,8 @@ import torch
 transformers = pytest.importorskip("transformers")
 
 import attn_backends as ab  # noqa: E402
+import attn_backends.errors  # noqa: E402
+import attn_backends.reference  # noqa: E402
 from attn_backends.integrations import _hf_features, _hf_mask  # noqa: E402
 from attn_backends.integrations import transformers as abt  # noqa: E402
 from tests import hf_support as hf  # noqa: E402
@@ -390,7 +392,7 @@ def test_attention_function_against_the_float64_reference(causal, left):
     )
     params = ab.FMHAParams.from_lengths(list(LENGTHS), device="cpu")
     want = ab.reference_attention(qkv[valid], spec, params)
-    assert ab.relative_error(out[valid].reshape(params.token_q_num, -1), want) < 1e-5
+    assert ab.reference.relative_error(out[valid].reshape(params.token_q_num, -1), want) < 1e-5
     assert float(out[~valid].abs().max()) == 0.0  # padding rows: zeros
 
 
@@ -453,10 +455,10 @@ def test_refusals_are_named():
     model, _ = _build("BertModel", torch.float32)
     ids = _batch(0).input_ids
     model.set_attn_implementation(NAME)
-    with pytest.raises(ab.IntegrationError, match="output_attentions"), torch.no_grad():
+    with pytest.raises(ab.errors.IntegrationError, match="output_attentions"), torch.no_grad():
         model(input_ids=ids, output_attentions=True)
     model.train()
-    with pytest.raises(ab.IntegrationError, match="dropout"):
+    with pytest.raises(ab.errors.IntegrationError, match="dropout"):
         model(input_ids=ids)
 
 
@@ -464,14 +466,14 @@ def test_features_without_a_spec_field_are_refused_by_name():
     """``position_bias`` has no spec field (``s_aux`` has one now: tests/test_hf_sinks.py)."""
     q = torch.randn(1, 4, 3, 16, generator=torch.Generator().manual_seed(5))
     bias = torch.zeros(1, 4, 3, 3)
-    with pytest.raises(ab.FeatureNotSupportedError, match="position_bias"):
+    with pytest.raises(ab.errors.FeatureNotSupportedError, match="position_bias"):
         abt.attention_forward(_Layer(True), q, q, q, None, position_bias=bias)
 
 
 @pytest.mark.parametrize("window", [0, 2.5, True])
 def test_a_window_that_is_no_positive_int_is_refused(window):
     q = torch.randn(1, 4, 3, 16, generator=torch.Generator().manual_seed(5))
-    with pytest.raises(ab.IntegrationError, match="sliding_window"):
+    with pytest.raises(ab.errors.IntegrationError, match="sliding_window"):
         abt.attention_forward(_Layer(True), q, q, q, None, sliding_window=window)
 
 
@@ -505,7 +507,7 @@ def test_pack_and_unpack_round_trip():
     assert packed["cu_seq_lens_q"].tolist() == [0, 3, 4, 6]
     assert packed["max_length_q"] == 3
     hidden = torch.randn(1, 6, 2)
-    with pytest.raises(ab.IntegrationError, match="no attention layer served"):
+    with pytest.raises(ab.errors.IntegrationError, match="no attention layer served"):
         abt.unpack_hidden(hidden, packed["cu_seq_lens_q"])  # nothing attended to this batch yet
     q = torch.randn(1, 4, 6, 16, generator=torch.Generator().manual_seed(4))
     abt.attention_forward(_Layer(True), q, q, q, None, position_ids=packed["position_ids"])
@@ -532,5 +534,5 @@ def test_packed_by_position_ids_alone_and_mismatched_key_lengths_refused():
     assert _max_error(parts, case.eager) <= case.tolerance
     wrong_k = packed["cu_seq_lens_k"].clone()
     wrong_k[1] += 1
-    with pytest.raises(ab.IntegrationError, match="cu_seq_lens_k differs"):
+    with pytest.raises(ab.errors.IntegrationError, match="cu_seq_lens_k differs"):
         _run(case.model, NAME, **{**packed, "cu_seq_lens_k": wrong_k})

@@ -17,6 +17,7 @@ import torch
 transformers = pytest.importorskip("transformers")
 
 import attn_backends as ab  # noqa: E402
+import attn_backends.errors  # noqa: E402
 from attn_backends.integrations import _hf_features  # noqa: E402
 from attn_backends.integrations import transformers as abt  # noqa: E402
 from tests import hf_support as hf  # noqa: E402
@@ -140,7 +141,7 @@ def test_wrong_sinks_fail_far_above_tolerance(wrong, monkeypatch):
 def test_s_aux_of_another_shape_or_dtype_is_refused_by_name(value):
     q = torch.randn(1, 4, 3, 16, generator=torch.Generator().manual_seed(5))
     layer = torch.nn.Module()
-    with pytest.raises(ab.IntegrationError, match="s_aux"):
+    with pytest.raises(ab.errors.IntegrationError, match="s_aux"):
         abt.attention_forward(layer, q, q, q, None, is_causal=True, s_aux=value)
 
 

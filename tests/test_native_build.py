@@ -28,6 +28,7 @@ from torch.utils import cpp_extension
 from torch.utils.file_baton import FileBaton
 
 import attn_backends as ab
+import attn_backends.errors
 from attn_backends._path import _native, _preprocess
 from attn_backends._path._build_lock import build_lock
 from attn_backends._path._preprocess import choose_preprocess
@@ -193,7 +194,7 @@ def test_a_file_system_without_locks_is_a_named_error(
         raise OSError(errno.ENOLCK, "No locks available")
 
     monkeypatch.setattr(fcntl, "flock", no_locks)
-    with pytest.raises(ab.NativeBuildError, match="does not support file locks"):
+    with pytest.raises(ab.errors.NativeBuildError, match="does not support file locks"):
         _native.load()
     assert loader.builds == []
 
@@ -229,7 +230,7 @@ def test_a_cache_directory_owned_by_another_user_is_refused(
 ) -> None:
     native = _native.cache_root()
     os.chown(native, FOREIGN_UID, FOREIGN_UID)
-    with pytest.raises(ab.NativeBuildError, match=f"owned by uid {FOREIGN_UID}, not by you"):
+    with pytest.raises(ab.errors.NativeBuildError, match=f"owned by uid {FOREIGN_UID}, not by you"):
         _native.load()
     assert loader.builds == []
 
@@ -254,7 +255,7 @@ def test_a_library_writable_by_others_is_not_loaded_but_a_private_one_is(
     library = builder.build / LIBRARY
     library.write_bytes(b"\x7fELF")
     library.chmod(0o666)
-    with pytest.raises(ab.NativeBuildError, match=r"writable by others \(mode 0o666\)"):
+    with pytest.raises(ab.errors.NativeBuildError, match=r"writable by others \(mode 0o666\)"):
         _native.load()
     library.chmod(0o755)
     _native.clear_cache()

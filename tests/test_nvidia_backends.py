@@ -26,6 +26,9 @@ from attn_backends_builtin.trt import TrtBackend, trt_mask_mode
 
 import attn_backends as ab
 import attn_backends.plugin as abp
+from attn_backends._select._ranking import RANKING
+from attn_backends.deploy import get_registry
+from attn_backends.reference import TOLERANCE, relative_error
 from attn_backends.testing import NoCachePrefillConformance
 from tests.fakes import fake_flashinfer
 from tests.fakes.fake_flashinfer import FakeFlashinfer, install
@@ -61,8 +64,8 @@ def packed_input(
 
 def check_numbers(out: torch.Tensor, pristine: torch.Tensor, spec, params) -> None:
     ref = ab.reference_attention(pristine, spec, params)
-    err = ab.relative_error(out, ref)
-    assert err < ab.TOLERANCE[spec.dtype], f"relative error {err:.3g}"
+    err = relative_error(out, ref)
+    assert err < TOLERANCE[spec.dtype], f"relative error {err:.3g}"
 
 
 def run_layers(backend, spec, params, qkv, layers: int = 1) -> list[torch.Tensor]:
@@ -92,7 +95,7 @@ def sm90(monkeypatch) -> None:
 
 
 def test_plugins_register_their_backends():
-    registry = ab.get_registry()
+    registry = get_registry()
     for plugin, names in (
         ("flashinfer", {"flashinfer", "flashinfer-rope"}),
         ("trt", {"trt"}),
@@ -185,7 +188,7 @@ def test_kernel_choice_is_in_the_decision_record():
     assert trt["input_layout"] == "dense-packed" and trt["native_tensorrt_llm"] == "not implemented"
 
 
-# Priorities (H200 measurements): flashinfer-rope for RoPE it can fuse on sm90, flashinfer
+# The ranking (H200 measurements): flashinfer-rope for RoPE it can fuse on sm90, flashinfer
 # elsewhere (trt ranks below it: never faster there), flex for headwise.
 
 
@@ -209,7 +212,7 @@ def test_kernel_choice_is_in_the_decision_record():
         (spec_of(headwise=ab.HeadwiseConfig(frozenset({0}))), "cpu", "flex"),
     ],
 )
-def test_priorities(spec, platform, winner):
+def test_ranking_picks(spec, platform, winner):
     assert ab.select(spec, platform=platform).name == winner
 
 
@@ -218,7 +221,7 @@ def test_priorities(spec, platform, winner):
 
 def test_flashinfer_plans_once_per_batch_and_runs_on_views(fake, sm90):
     spec = spec_of(torch.bfloat16, causal=True)
-    backend = FlashinferBackend().bind(spec, SM90)
+    backend = FlashinferBackend.bind(spec, SM90)
     params, qkv = packed_input(spec, LENGTHS)
     plan = backend.prepare(params)
     buffers = [qkv.clone() for _ in range(3)]
@@ -271,7 +274,7 @@ def test_flashinfer_plans_once_per_batch_and_runs_on_views(fake, sm90):
 @pytest.mark.parametrize("causal", [True, False])
 def test_flashinfer_mask_and_scale_reach_the_plan(fake, sm90, causal):
     spec = spec_of(torch.float16, heads=(4, 4), dim=64, causal=causal, softmax_scale=0.2)
-    backend = FlashinferBackend().bind(spec, SM90)
+    backend = FlashinferBackend.bind(spec, SM90)
     params, qkv = packed_input(spec, (9, 4))
     run_layers(backend, spec, params, qkv)
     a = fake.named(PLAN)[0].args
@@ -282,7 +285,7 @@ def test_flashinfer_mask_and_scale_reach_the_plan(fake, sm90, causal):
 def test_flashinfer_rope_fuses_rope_only_when_the_kernel_can(fake, sm90):
     theta = 1e6
     spec = spec_of(rope=ab.RopeSpec(theta))
-    backend = FlashinferRopeBackend().bind(spec, SM90)
+    backend = FlashinferRopeBackend.bind(spec, SM90)
     params, qkv = packed_input(spec, LENGTHS)
     buf = qkv.clone()
     plan = backend.prepare(params)
@@ -301,7 +304,7 @@ def test_flashinfer_rope_fuses_rope_only_when_the_kernel_can(fake, sm90):
     ]
     for rope, extra in cases:
         other = spec_of(rope=rope, **extra)
-        backend = FlashinferRopeBackend().bind(other, SM90)
+        backend = FlashinferRopeBackend.bind(other, SM90)
         params, qkv = packed_input(other, LENGTHS)
         assert backend.prepare(params).preprocess == "torch"
         run_layers(backend, other, params, qkv)
@@ -315,7 +318,7 @@ def test_flashinfer_rope_fuses_short_batches_and_runs_long_ones_separately(fake,
     spec = spec_of(rope=ab.RopeSpec(1e6))
     limit = FlashinferRopeBackend.capabilities.fused_rope_max_seqlen
     assert limit is not None
-    backend = FlashinferRopeBackend().bind(spec, SM90)
+    backend = FlashinferRopeBackend.bind(spec, SM90)
     short_params, short_qkv = packed_input(spec, (limit, 3, 1))
     long_params, long_qkv = packed_input(spec, (limit + 1, 5), seed=1)
 
@@ -367,7 +370,7 @@ def test_fa3_would_ignore_fused_rope_so_it_is_never_asked(fake, sm90):
     q, k, v = ab.split_views(qkv, spec, 18)
     out = wrapper.run(q, k, v).reshape(18, spec.q_width)
     ref = ab.reference_attention(qkv, spec, params)
-    assert ab.relative_error(out, ref) > 0.1
+    assert relative_error(out, ref) > 0.1
 
 
 @pytest.mark.parametrize("name", ["flashinfer", "flashinfer-rope", "trt"])
@@ -398,7 +401,7 @@ def test_plans_are_values_whatever_is_prepared_meanwhile(fake, sm90, name):
 @pytest.mark.parametrize("name", ["flashinfer", "trt"])
 def test_misaligned_rows_are_copied_once_not_read_wrongly(fake, sm90, name):
     spec = spec_of(heads=(4, 4), dim=64, causal=False)
-    backend = (FlashinferBackend() if name == "flashinfer" else TrtBackend()).bind(spec, SM90)
+    backend = (FlashinferBackend if name == "flashinfer" else TrtBackend).bind(spec, SM90)
     params, qkv = packed_input(spec, (7, 5), pad=0)
     flat = torch.empty(qkv.numel() + 1, dtype=qkv.dtype)
     shifted = flat[1:].view(qkv.shape)  # two bytes past an aligned address
@@ -415,7 +418,7 @@ def test_misaligned_rows_are_copied_once_not_read_wrongly(fake, sm90, name):
 
 def test_trt_gets_dense_packed_rows_without_a_copy(fake):
     spec = spec_of(torch.float16, heads=(4, 4), dim=64, causal=False)
-    backend = TrtBackend().bind(spec, SM90)
+    backend = TrtBackend.bind(spec, SM90)
     params, qkv = packed_input(spec, LENGTHS)
     buf = qkv.clone()
     check_numbers(backend.forward(buf, backend.prepare(params)), qkv, spec, params)
@@ -434,7 +437,7 @@ def test_trt_gets_dense_packed_rows_without_a_copy(fake):
 
 def test_trt_copies_a_strided_buffer_once(fake):
     spec = spec_of(torch.bfloat16, heads=(4, 4), dim=64, causal=True)
-    backend = TrtBackend().bind(spec, SM90)
+    backend = TrtBackend.bind(spec, SM90)
     params, qkv = packed_input(spec, (9, 3))
     wide = torch.zeros(qkv.shape[0], spec.qkv_width + 48, dtype=qkv.dtype)
     strided = wide[:, 24 : 24 + spec.qkv_width]
@@ -450,10 +453,10 @@ def test_trt_mask_names():
 
 
 def test_trt_refuses_gqa_and_other_archs():
-    gqa = TrtBackend().supports(spec_of(), ab.parse_platform("cuda:sm90"))
+    gqa = TrtBackend.supports(spec_of(), ab.parse_platform("cuda:sm90"))
     assert ab.ReasonCode.GQA in {r.code for r in gqa}
     for arch in ("cuda:sm80", "cuda:sm100"):
-        reasons = TrtBackend().supports(spec_of(heads=(4, 4)), ab.parse_platform(arch))
+        reasons = TrtBackend.supports(spec_of(heads=(4, 4)), ab.parse_platform(arch))
         assert ab.ReasonCode.ARCH in {r.code for r in reasons}
 
 
@@ -491,9 +494,9 @@ def test_conformance_catches_a_batch_on_the_wrong_side_of_the_fusion_limit(fake,
 def test_headwise_is_flex_under_its_former_name():
     assert issubclass(headwise.HeadwiseBackend, flex.FlexBackend)
     former, current = headwise.HeadwiseBackend.capabilities, flex.FlexBackend.capabilities
-    assert former.priority == () and dataclasses.replace(former, priority=current.priority) == (
-        current
-    )
+    assert former == current, "the same declarations under the former name"
+    ranked = {row.backend for row in RANKING}
+    assert "flex" in ranked and "headwise" not in ranked, "headwise runs only when named"
     assert abp.HeadwiseSupport() in current.features
 
 
@@ -504,7 +507,7 @@ HW = ab.HeadwiseConfig(frozenset({1, 4, 6}), sink_token_num=3, swa_token_num=5, 
 def test_headwise_threshold_sinks_and_window(dtype):
     """Sequences at, above and below the threshold; every retrieval pattern; GQA."""
     spec = spec_of(dtype, heads=(8, 2), dim=64, headwise=HW)
-    backend = headwise.HeadwiseBackend().bind(spec)
+    backend = headwise.HeadwiseBackend.bind(spec)
     params, qkv = packed_input(spec, (16, 15, 40, 2, 0, 3), seed=3)
     plan = backend.prepare(params)
     assert isinstance(plan.kernel, headwise.HeadwisePlan)
@@ -516,10 +519,10 @@ def test_headwise_window_matters():
     """The same input without the headwise rule differs: the mask is not a no-op."""
     spec = spec_of(torch.bfloat16, heads=(8, 2), dim=64, headwise=HW)
     params, qkv = packed_input(spec, (40,), seed=4)
-    backend = headwise.HeadwiseBackend().bind(spec)
+    backend = headwise.HeadwiseBackend.bind(spec)
     out = backend.forward(qkv.clone(), backend.prepare(params))
     full = ab.reference_attention(qkv, spec_of(torch.bfloat16, heads=(8, 2), dim=64), params)
-    assert ab.relative_error(out, full) > 0.05
+    assert relative_error(out, full) > 0.05
 
 
 def test_headwise_describes_its_kernel():

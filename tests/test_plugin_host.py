@@ -2,10 +2,10 @@
 
 Each fault below is one plugin doing something wrong while it loads or registers: raising any
 kind of exception, calling back into the registry, never returning, declaring malformed
-capabilities, or trying to stand in for a built-in backend. For every one the test checks that
-the fault is recorded against that plugin alone and that ``select()`` still chooses torch-sdpa,
-explicitly and by default, and computes the right numbers. A RoPE pass belongs to the plugin
-that brings it: checked with it, installed only if it loads, withdrawn with it.
+capabilities or ranks, or trying to stand in for a built-in backend. For every one the test
+checks that the fault is recorded against that plugin alone and that ``select()`` still chooses
+torch-sdpa, explicitly and by default, and computes the right numbers. A RoPE pass belongs to
+the plugin that brings it: checked with it, installed only if it loads, withdrawn with it.
 """
 
 from __future__ import annotations
@@ -19,6 +19,7 @@ import threading
 import types
 from collections.abc import Callable, Iterator
 from pathlib import Path
+from typing import cast
 
 import attn_backends_builtin.aiter
 import attn_backends_builtin.flashinfer
@@ -29,7 +30,10 @@ import torch
 from attn_backends_builtin import torch_sdpa
 
 import attn_backends as ab
+import attn_backends.deploy
+import attn_backends.errors
 import attn_backends.plugin as abp
+import attn_backends.reference
 from attn_backends import cli
 from attn_backends._backend import _validation
 from attn_backends._path import _preprocess, _rope_passes
@@ -63,7 +67,7 @@ def _clean_env(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
     for var in ENV_VARS:
         monkeypatch.delenv(var, raising=False)
     yield
-    ab.reset_registry()
+    ab.deploy.reset_registry()
 
 
 @pytest.fixture
@@ -82,11 +86,11 @@ def gate(monkeypatch: pytest.MonkeyPatch) -> Iterator[threading.Event]:
     release.set()
 
 
-def _record(reg: ab.Registry, name: str) -> ab.PluginRecord:
+def _record(reg: ab.deploy.Registry, name: str) -> ab.deploy.PluginRecord:
     return next(r for r in reg.records() if r.name == name)
 
 
-def _sdpa_still_works(reg: ab.Registry) -> None:
+def _sdpa_still_works(reg: ab.deploy.Registry) -> None:
     """torch-sdpa (the built-in class) is chosen by default and explicitly, with right numbers."""
     for backend in (None, "torch-sdpa"):
         sel = ab.select(SPEC, device="cpu", backend=backend, registry=reg)
@@ -97,11 +101,11 @@ def _sdpa_still_works(reg: ab.Registry) -> None:
     qkv = torch.randn(12, SPEC.qkv_width, generator=torch.Generator().manual_seed(0))
     ref = ab.reference_attention(qkv, SPEC, params)
     out = sel.backend.forward(qkv.clone(), sel.backend.prepare(params))
-    assert ab.relative_error(out, ref) < ab.TOLERANCE[torch.float32]
+    assert ab.reference.relative_error(out, ref) < ab.reference.TOLERANCE[torch.float32]
 
 
 def _contained(
-    reg: ab.Registry, capsys: pytest.CaptureFixture[str], plugin: str, error: str
+    reg: ab.deploy.Registry, capsys: pytest.CaptureFixture[str], plugin: str, error: str
 ) -> None:
     """The plugin is recorded as failed with ``error``; nothing else is disturbed."""
     rec = _record(reg, plugin)
@@ -111,14 +115,14 @@ def _contained(
     assert rec.backends == ()
     _sdpa_still_works(reg)
     assert error in ab.select(SPEC, device="cpu", registry=reg).explain()
-    ab.reset_registry(reg)
+    ab.deploy.reset_registry(reg)
     assert cli.main(["list", "--platform", "cpu"]) == 0
     assert error in capsys.readouterr().out
 
 
-def _finishes(work: Callable[[], ab.Registry], within: float = 60.0) -> ab.Registry:
+def _finishes(work: Callable[[], ab.deploy.Registry], within: float = 60.0) -> ab.deploy.Registry:
     """Run ``work`` in a thread; fail (instead of hanging the suite) if it deadlocks."""
-    out: list[ab.Registry] = []
+    out: list[ab.deploy.Registry] = []
     errors: list[BaseException] = []
 
     def run() -> None:
@@ -136,15 +140,15 @@ def _finishes(work: Callable[[], ab.Registry], within: float = 60.0) -> ab.Regis
     return out[0]
 
 
-def _default_registry() -> ab.Registry:
-    ab.reset_registry()
-    return _finishes(ab.get_registry)
+def _default_registry() -> ab.deploy.Registry:
+    ab.deploy.reset_registry()
+    return _finishes(ab.deploy.get_registry)
 
 
-def _loaded(reg: ab.Registry, policy: ab.PluginPolicy) -> ab.Registry:
+def _loaded(reg: ab.deploy.Registry, policy: ab.deploy.PluginPolicy) -> ab.deploy.Registry:
     """``reg`` after loading the entry points under ``policy`` (in a thread, see `_finishes`)."""
 
-    def load() -> ab.Registry:
+    def load() -> ab.deploy.Registry:
         reg.load_entry_points(policy=policy)
         return reg
 
@@ -166,7 +170,7 @@ LOAD_FAULTS: dict[str, tuple[str, str]] = {
     "pytest-fail": ('import pytest; pytest.fail("vendor self-test")', "Failed: vendor self-test"),
     "odd-base-exception": (_RAISE_ODD, "VendorAbort: odd base exception"),
     "get-registry": (
-        "import attn_backends as ab; ab.get_registry()",
+        "import attn_backends as ab; ab.deploy.get_registry()",
         "ReentrantRegistryError: get_registry() was called by a plugin while it was being loaded",
     ),
     "select": (
@@ -174,7 +178,7 @@ LOAD_FAULTS: dict[str, tuple[str, str]] = {
         "ReentrantRegistryError: select() was called by a plugin",
     ),
     "reset-registry": (
-        "import attn_backends as ab; ab.reset_registry()",
+        "import attn_backends as ab; ab.deploy.reset_registry()",
         "ReentrantRegistryError: reset_registry() was called by a plugin",
     ),
 }
@@ -223,8 +227,8 @@ def test_a_plugin_that_never_returns_is_given_up_on(
     statement = "import plugin_host_gate; plugin_host_gate.RELEASE.wait()"
     site.add_module("hang_plugin", _plugin_source(where, statement))
     site.add_dist("vendor-hang", {"hang": "hang_plugin"})
-    only = ab.PluginPolicy(allow=frozenset({"torch-sdpa", "hang"}))
-    reg = _loaded(ab.Registry(plugin_timeout=SHORT_TIMEOUT), only)
+    only = ab.deploy.PluginPolicy(allow=frozenset({"torch-sdpa", "hang"}))
+    reg = _loaded(ab.deploy.Registry(plugin_timeout=SHORT_TIMEOUT), only)
     _contained(reg, capsys, "hang", f"{HANGS[where]} {SHORT_TIMEOUT:g} s")
     assert "$ATTN_BACKENDS_PLUGIN_TIMEOUT" in (_record(reg, "hang").error or "")
 
@@ -235,7 +239,7 @@ def test_the_plugin_timeout_comes_from_the_environment(
     site.add_module("hang_plugin", "import plugin_host_gate; plugin_host_gate.RELEASE.wait()\n")
     site.add_dist("vendor-hang", {"hang": "hang_plugin"})
     monkeypatch.setenv("ATTN_BACKENDS_PLUGIN_TIMEOUT", "0.75")
-    reg = _loaded(ab.Registry(), ab.PluginPolicy())
+    reg = _loaded(ab.deploy.Registry(), ab.deploy.PluginPolicy())
     assert "did not finish within 0.75 s" in (_record(reg, "hang").error or "")
     assert _record(reg, "torch-sdpa").status == "loaded"
 
@@ -254,8 +258,8 @@ def test_a_bad_timeout_setting_warns_and_keeps_the_default(
 
 @pytest.mark.parametrize("bad", [0, -2.0, float("nan"), float("inf"), True, "5"])
 def test_a_bad_timeout_argument_is_refused(bad: object) -> None:
-    with pytest.raises(ab.InvalidArgumentError, match="plugin_timeout must be"):
-        ab.Registry(plugin_timeout=bad)  # type: ignore[arg-type]  # the wrong types on purpose
+    with pytest.raises(ab.errors.InvalidArgumentError, match="plugin_timeout must be"):
+        ab.deploy.Registry(plugin_timeout=bad)  # type: ignore[arg-type]  # the wrong types on purpose
 
 
 @pytest.mark.parametrize("where", ["import", "hook"])
@@ -264,33 +268,29 @@ def test_keyboard_interrupt_aborts_loading_and_leaves_the_registry_as_it_was(
 ) -> None:
     site.add_module("interrupt_plugin", _plugin_source(where, "raise KeyboardInterrupt"))
     site.add_dist("zz-vendor-interrupt", {"interrupt": "interrupt_plugin"})  # loads last
-    reg = ab.Registry()
-    unranked = dataclasses.replace(_EAGER, priority=())
-    reg.register_plugin(StaticPlugin(_backend("kept-backend", unranked)), name="kept")
+    reg = ab.deploy.Registry()
+    reg.register_plugin(StaticPlugin(_backend("kept-backend")), name="kept")  # not ranked
     before = reg.snapshot()
     with pytest.raises(KeyboardInterrupt):
-        reg.load_entry_points(policy=ab.PluginPolicy())
+        reg.load_entry_points(policy=ab.deploy.PluginPolicy())
     after = reg.snapshot()
     assert after.entries == before.entries, "backends loaded before the interrupt were kept"
     assert after.records == before.records
     assert after.generation != before.generation, "the selection cache would not notice"
-    reg.load_entry_points(policy=ab.PluginPolicy(disable=frozenset({"plugin:interrupt"})))
+    reg.load_entry_points(policy=ab.deploy.PluginPolicy(disable=frozenset({"plugin:interrupt"})))
     assert _record(reg, "torch-sdpa").status == "loaded", "loading again found leftovers"
     _sdpa_still_works(reg)
-    ab.reset_registry()
+    ab.deploy.reset_registry()
     with pytest.raises(KeyboardInterrupt):
-        ab.get_registry()
+        ab.deploy.get_registry()
     monkeypatch.setenv("ATTN_BACKENDS_DISABLE", "plugin:interrupt")
-    _sdpa_still_works(ab.get_registry())
+    _sdpa_still_works(ab.deploy.get_registry())
 
 
 # ---- malformed declarations: refused at registration, that backend alone -----------------------
 
-_EAGER = abp.Capabilities(
-    platforms=frozenset({"cpu"}),
-    dtypes=frozenset({torch.float32}),
-    priority=(abp.PriorityRule("cpu", 1000, note="claims to beat torch-sdpa"),),
-)
+_EAGER = abp.Capabilities(platforms=frozenset({"cpu"}), dtypes=frozenset({torch.float32}))
+CPU = ab.parse_platform("cpu")
 
 
 def _tampered(value: object, **fields: object) -> object:
@@ -302,21 +302,42 @@ def _tampered(value: object, **fields: object) -> object:
     return copy
 
 
-def _rule(**fields: object) -> object:
-    return _tampered(_EAGER.priority[0], **fields)
+class _OnClass:
+    """A class attribute computed on every read, from the class as from an instance (a
+    ``property`` computes nothing when read from the class)."""
+
+    def __init__(self, read: Callable[[], object]) -> None:
+        self.read = read
+
+    def __get__(self, instance: object, owner: type | None = None) -> object:
+        return self.read()
 
 
-def _raises(self: object) -> object:
+def _raises() -> object:
     raise RuntimeError("vendor table not loaded")
 
 
-def _backend(name: object, caps: object = _EAGER) -> ab.NoCachePrefill:
+def _backend(name: object, caps: object = _EAGER) -> type[torch_sdpa.TorchSdpaBackend]:
     """A torch-sdpa subclass declaring ``name`` and ``capabilities`` as given (even broken)."""
     cls = type(
         "VendorBackend", (torch_sdpa.TorchSdpaBackend,), {"name": name, "capabilities": caps}
     )
-    backend: ab.NoCachePrefill = cls()
-    return backend
+    return cast("type[torch_sdpa.TorchSdpaBackend]", cls)
+
+
+def _candidate(sel: ab.Selection, name: str) -> ab.Candidate:
+    return next(c for c in sel.candidates if c.name == name)
+
+
+class _Offers:
+    """An in-process plugin whose hook returns the manifest it was given."""
+
+    def __init__(self, manifest: abp.PluginManifest) -> None:
+        self.manifest = manifest
+
+    @abp.hookimpl
+    def attn_backends_register(self, host_api_version: str) -> abp.PluginManifest:
+        return self.manifest
 
 
 DECLARATION_FAULTS: dict[str, tuple[object, object, str]] = {
@@ -357,56 +378,6 @@ DECLARATION_FAULTS: dict[str, tuple[object, object, str]] = {
         _tampered(_EAGER, requires="flashinfer"),
         "capabilities.requires must be a tuple of import names",
     ),
-    "priority-none": (
-        "vendor",
-        _tampered(_EAGER, priority=None),
-        "capabilities.priority must be a tuple of PriorityRule, got NoneType",
-    ),
-    "priority-list": (
-        "vendor",
-        _tampered(_EAGER, priority=list(_EAGER.priority)),
-        "capabilities.priority must be a tuple of PriorityRule, got list",
-    ),
-    "score-str": (
-        "vendor",
-        _tampered(_EAGER, priority=(_rule(score="high"),)),
-        "capabilities.priority[0].score must be an int (e.g. 100), got 'high'",
-    ),
-    "score-nan": (
-        "vendor",
-        _tampered(_EAGER, priority=(_rule(score=float("nan")),)),
-        "capabilities.priority[0].score must be an int (e.g. 100), got nan",
-    ),
-    "score-bool": (
-        "vendor",
-        _tampered(_EAGER, priority=(_rule(score=True),)),
-        "capabilities.priority[0].score must be an int (e.g. 100), got True",
-    ),
-    "score-none": (
-        "vendor",
-        _tampered(_EAGER, priority=(_rule(score=None),)),
-        "capabilities.priority[0].score must be an int (e.g. 100), got None",
-    ),
-    "rule-platform": (
-        "vendor",
-        _tampered(_EAGER, priority=(_rule(platform="gpu"),)),
-        "capabilities.priority[0].platform must be one of cpu, cuda, rocm",
-    ),
-    "rule-head-dims": (
-        "vendor",
-        _tampered(_EAGER, priority=(_rule(head_dims=64),)),
-        "capabilities.priority[0].head_dims must be a frozenset of int or None, got int",
-    ),
-    "rule-masked-str": (
-        "vendor",
-        _tampered(_EAGER, priority=(_rule(masked="yes"),)),
-        "capabilities.priority[0].masked must be True, False or None, got 'yes'",
-    ),
-    "rule-not-a-rule": (
-        "vendor",
-        _tampered(_EAGER, priority=({"platform": "cpu", "score": 5},)),
-        "capabilities.priority[0] must be a PriorityRule, got dict",
-    ),
     "capabilities-dict": (
         "vendor",
         {"platforms": ["cpu"]},
@@ -414,14 +385,14 @@ DECLARATION_FAULTS: dict[str, tuple[object, object, str]] = {
     ),
     "capabilities-property-raises": (
         "vendor",
-        property(_raises),
+        _OnClass(_raises),
         "raised while being inspected: RuntimeError: vendor table not loaded",
     ),
     "name-int": (42, _EAGER, "VendorBackend.name must be a str, got int"),
     "name-empty": ("", _EAGER, "VendorBackend.name '' must be 1-100 letters"),
     "name-comma": ("a,b", _EAGER, "VendorBackend.name 'a,b' must be 1-100 letters"),
     "name-property-raises": (
-        property(_raises),
+        _OnClass(_raises),
         _EAGER,
         "raised while being inspected: RuntimeError: vendor table not loaded",
     ),
@@ -434,7 +405,7 @@ def test_a_malformed_declaration_refuses_that_backend_alone(
     capsys: pytest.CaptureFixture[str], fault: str
 ) -> None:
     name, caps, error = DECLARATION_FAULTS[fault]
-    reg = ab.Registry()
+    reg = ab.deploy.Registry()
     reg.register_plugin(torch_sdpa, name="torch-sdpa")
     reg.register_plugin(StaticPlugin(_backend(name, caps)), name="vendor")
     assert [e.name for e in reg.entries()] == ["torch-sdpa"]
@@ -442,88 +413,241 @@ def test_a_malformed_declaration_refuses_that_backend_alone(
 
 
 def test_one_bad_backend_of_a_plugin_leaves_its_good_ones() -> None:
-    reg = ab.Registry()
+    reg = ab.deploy.Registry()
     reg.register_plugin(torch_sdpa, name="torch-sdpa")
-    bad = _backend("vendor-bad", _tampered(_EAGER, priority=(_rule(score="high"),)))
-    record = reg.register_plugin(StaticPlugin(bad, _backend("vendor-good")), name="vendor")
+    bad = _backend("vendor-bad", _tampered(_EAGER, head_dims=16))
+    first = abp.Rank("vendor-good", before="torch-sdpa", platform="cpu")
+    plugin = StaticPlugin(bad, _backend("vendor-good"), ranks=[first])
+    record = reg.register_plugin(plugin, name="vendor")
     assert record.status == "loaded"
     assert record.backends == ("vendor-good",)
-    assert "backend 'vendor-bad' (VendorBackend) refused: capabilities.priority[0].score" in (
+    assert "backend 'vendor-bad' (VendorBackend) refused: capabilities.head_dims" in (
         record.error or ""
     )
     assert ab.select(SPEC, device="cpu", registry=reg).name == "vendor-good"
 
 
+# ---- malformed ranks: refused at registration, that rank alone ---------------------------------
+
+RANK_FAULTS: dict[str, tuple[object, str]] = {
+    "not-a-rank": ("vendor before torch-sdpa", "ranks must hold Rank values, got str"),
+    "not-its-backend": (
+        abp.Rank("torch-sdpa", after="flex"),
+        "torch-sdpa after flex: 'torch-sdpa' is not a backend this plugin registers",
+    ),
+    "before-and-after": (
+        abp.Rank("vendor", before="torch-sdpa", after="flex"),
+        "Rank('vendor') needs exactly one of before= and after=",
+    ),
+    "neither": (abp.Rank("vendor"), "Rank('vendor') needs exactly one of before= and after="),
+    "next-to-itself": (
+        abp.Rank("vendor", before="vendor"),
+        "vendor before vendor: a backend cannot be placed next to itself",
+    ),
+    "platform-unknown": (
+        abp.Rank("vendor", before="torch-sdpa", platform="gpu"),  # type: ignore[arg-type]
+        "vendor before torch-sdpa on gpu: platform must be one of cpu, cuda, rocm or None",
+    ),
+    "anchor-name": (
+        abp.Rank("vendor", after="a,b"),
+        "vendor after a,b: the backend it is placed next to: name 'a,b' must be 1-100 letters",
+    ),
+    "anchor-not-str": (
+        abp.Rank("vendor", before=42),  # type: ignore[arg-type]
+        "vendor before 42: the backend it is placed next to: name must be a str, got int",
+    ),
+    "note-not-str": (
+        abp.Rank("vendor", before="torch-sdpa", note=3),  # type: ignore[arg-type]
+        "Rank('vendor').note must be a str",
+    ),
+}
+"""A rank a plugin declares -> the problem its record must hold after ``rank refused: ``."""
+
+
+@pytest.mark.parametrize("fault", sorted(RANK_FAULTS))
+def test_a_malformed_rank_is_refused_alone(fault: str) -> None:
+    bad, error = RANK_FAULTS[fault]
+    good = abp.Rank("vendor-good", after="torch-sdpa", platform="cpu")
+    reg = ab.deploy.Registry()
+    reg.register_plugin(torch_sdpa, name="torch-sdpa")
+    plugin = StaticPlugin(_backend("vendor"), _backend("vendor-good"), ranks=[bad, good])  # type: ignore[list-item]
+    record = reg.register_plugin(plugin, name="vendor")
+    assert record.status == "loaded"
+    assert record.backends == ("vendor", "vendor-good")
+    assert f"rank refused: {error}" in (record.error or "")
+    entry = reg.get("vendor")
+    assert entry is not None and entry.ranks == ()
+    sel = ab.select(SPEC, device="cpu", registry=reg)
+    assert sel.name == "torch-sdpa"
+    vendor = _candidate(sel, "vendor")
+    assert (vendor.verdict, vendor.rank) == ("not ranked", None)
+    assert [r.code for r in vendor.reasons] == [ab.ReasonCode.NOT_RANKED]
+    placed = _candidate(sel, "vendor-good")
+    assert (placed.verdict, placed.rank) == ("eligible", 2), "the plugin's good rank still holds"
+    assert f"rank refused: {error}" in sel.explain()
+    assert ab.select(SPEC, device="cpu", backend="vendor", registry=reg).name == "vendor"
+    _sdpa_still_works(reg)
+
+
+# ---- the manifest's API version and what it registers --------------------------------------------
+
+
+def test_a_manifest_for_plugin_api_1_is_incompatible(capsys: pytest.CaptureFixture[str]) -> None:
+    reg = ab.deploy.Registry()
+    reg.register_plugin(torch_sdpa, name="torch-sdpa")
+    old = abp.PluginManifest("1.0", backends=[cast("abp.BackendClass", _backend("old-vendor"))])
+    record = reg.register_plugin(_Offers(old), name="old")
+    assert record.status == "incompatible"
+    assert record.backends == () and reg.get("old-vendor") is None
+    error = record.error or ""
+    assert "built for plugin API 1.0" in error and "needs plugin API 2.0" in error
+    sel = ab.select(SPEC, device="cpu", registry=reg)
+    assert "old: incompatible: built for plugin API 1.0" in sel.explain()
+    _sdpa_still_works(reg)
+    ab.deploy.reset_registry(reg)
+    assert cli.main(["list", "--platform", "cpu"]) == 0
+    assert "needs plugin API 2.0" in capsys.readouterr().out
+
+
+def test_an_instance_offered_under_api_2_is_refused(capsys: pytest.CaptureFixture[str]) -> None:
+    reg = ab.deploy.Registry()
+    reg.register_plugin(torch_sdpa, name="torch-sdpa")
+    bound = _backend("vendor-instance").bind(SPEC, CPU)
+    manifest = abp.PluginManifest(abp.PLUGIN_API_VERSION, backends=[bound])  # type: ignore[list-item]
+    reg.register_plugin(_Offers(manifest), name="vendor")
+    assert reg.get("vendor-instance") is None
+    _contained(
+        reg,
+        capsys,
+        "vendor",
+        "offered an instance of VendorBackend; plugin API 2.0 registers backend classes",
+    )
+
+
 # ---- declarations that go bad after registration: a reason, never a raw error ------------------
+# (Ranks are read once, at registration, into the registry's entry: there is no rank to spoil
+# afterwards.)
 
 _SWITCH = {"broken": False}
-"""Flipped by a test: the vendor backend's capabilities property starts raising."""
+"""Flipped by the test: the vendor backend's capabilities start raising."""
 
 
-def _caps_until_broken(self: object) -> abp.Capabilities:
+def _caps_until_broken() -> abp.Capabilities:
     if _SWITCH["broken"]:
         raise RuntimeError("vendor table unloaded")
     return _EAGER
 
 
-LATE_FAULTS: dict[str, tuple[Callable[[object], None], str]] = {
-    "capabilities-property-raises-later": (
-        lambda backend: _SWITCH.__setitem__("broken", True),
-        "supports() raised RuntimeError: vendor table unloaded",
-    ),
-    "score-tampered-later": (
-        lambda capabilities: object.__setattr__(
-            capabilities.priority[0],  # type: ignore[attr-defined]  # a Capabilities
-            "score",
-            "high",
-        ),
-        "priority rules could not be evaluated: TypeError: score 'high' is not an int",
-    ),
-}
-"""How a registered backend's declarations go bad -> the reason its candidate must carry."""
-
-
-@pytest.mark.parametrize("fault", sorted(LATE_FAULTS))
-def test_a_declaration_that_goes_bad_later_is_a_reason_for_that_backend(
-    fault: str, monkeypatch: pytest.MonkeyPatch
+def test_capabilities_that_start_raising_later_are_a_reason_for_that_backend(
+    monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    go_bad, error = LATE_FAULTS[fault]
     monkeypatch.setitem(_SWITCH, "broken", False)
-    caps = _tampered(_EAGER, priority=(_rule(),))  # a private copy, safe to spoil
-    late = _backend("vendor-late", property(_caps_until_broken) if "property" in fault else caps)
-    reg = ab.Registry()
+    late = _backend("vendor-late", _OnClass(_caps_until_broken))
+    reg = ab.deploy.Registry()
     reg.register_plugin(torch_sdpa, name="torch-sdpa")
-    assert reg.register_plugin(StaticPlugin(late), name="vendor").status == "loaded"
+    assert reg.register_plugin(StaticPlugin(late, first_on="cpu"), name="vendor").status == (
+        "loaded"
+    )
     assert ab.select(SPEC, device="cpu", registry=reg).name == "vendor-late"
-    go_bad(caps)
-    ab.clear_selection_cache()  # decisions are cached; the next one meets the spoilt backend
+    monkeypatch.setitem(_SWITCH, "broken", True)
+    ab.deploy.clear_selection_cache()  # decisions are cached; the next one meets the spoilt backend
     sel = ab.select(SPEC, device="cpu", registry=reg)
     assert sel.name == "torch-sdpa"
-    cand = next(c for c in sel.candidates if c.name == "vendor-late")
+    cand = _candidate(sel, "vendor-late")
     assert cand.verdict == "rejected"
+    error = "supports() raised RuntimeError: vendor table unloaded"
     assert any(error in r.message for r in cand.reasons), cand.reasons
     with pytest.raises(ab.NoBackendError, match="not swapped"):
         ab.select(SPEC, device="cpu", registry=reg, backend="vendor-late")
     _sdpa_still_works(reg)
 
 
+# ---- a plugin can never silently take over -------------------------------------------------------
+
+
+class _ServesEverything(torch_sdpa.TorchSdpaBackend):
+    """Claims every spec on every platform: the most a backend can say about itself."""
+
+    name = "serves-everything"
+
+    @classmethod
+    def supports(cls, spec: ab.AttentionSpec, platform: ab.Platform) -> list[ab.Reason]:
+        return []
+
+
+class _PlacedBeforeFlashinfer(_ServesEverything):
+    name = "before-flashinfer"
+
+
+TAKEOVER_SPECS = (
+    SPEC,
+    ab.AttentionSpec(8, 8, 64, torch.float16, causal=False),
+    ab.AttentionSpec(8, 2, 128, torch.bfloat16, causal=True, rope=ab.RopeSpec(1e6)),
+    ab.AttentionSpec(4, 4, 32, torch.float8_e4m3fn, causal=False),
+)
+"""Specs torch-sdpa serves on the CPU, and one (FP8) that no built-in serves there."""
+
+
+def _candidates_of(
+    spec: ab.AttentionSpec, platform: str, reg: ab.deploy.Registry
+) -> dict[str, str]:
+    """Backend -> verdict for the default choice (none selected when nothing fits)."""
+    try:
+        sel = ab.select(spec, platform=platform, registry=reg)
+    except ab.NoBackendError as exc:
+        record = exc.record
+    else:
+        return {c.name: c.verdict for c in sel.candidates}
+    assert record is not None
+    rows = record["candidates"]
+    assert isinstance(rows, list)
+    return {str(c["name"]): str(c["verdict"]) for c in rows}
+
+
+def test_a_plugin_can_never_silently_take_over(monkeypatch: pytest.MonkeyPatch) -> None:
+    reg = _loaded(ab.deploy.Registry(), ab.deploy.PluginPolicy())
+    placed = abp.Rank("before-flashinfer", before="flashinfer")
+    plugin = StaticPlugin(_ServesEverything, _PlacedBeforeFlashinfer, ranks=[placed])
+    assert reg.register_plugin(plugin, name="vendor").error is None
+    for spec in TAKEOVER_SPECS:
+        for platform in ("cpu", "cuda:sm80", "cuda:sm90", "rocm:gfx942"):
+            verdicts = _candidates_of(spec, platform, reg)
+            assert verdicts["serves-everything"] == "not ranked", (spec, platform)
+        cpu = _candidates_of(spec, "cpu", reg)
+        assert cpu["before-flashinfer"] == "not ranked", spec
+    sel = ab.select(SPEC, platform="cpu", registry=reg)
+    reason = _candidate(sel, "before-flashinfer").reasons[0]
+    assert reason.code == ab.ReasonCode.NOT_RANKED
+    assert "placed next to flashinfer, which is not in line for this request on cpu" in (
+        reason.message
+    )
+    # named, it runs; placed, it stands where its rank says, where flashinfer is in line
+    assert ab.select(SPEC, device="cpu", backend="serves-everything", registry=reg).name == (
+        "serves-everything"
+    )
+    monkeypatch.setenv("ATTN_BACKEND", "serves-everything")
+    assert ab.select(SPEC, device="cpu", registry=reg).source == "environment"
+    monkeypatch.delenv("ATTN_BACKEND")
+    gpu = ab.select(TAKEOVER_SPECS[1], platform="cuda:sm90", registry=reg)
+    assert gpu.name == "before-flashinfer"
+    mine, theirs = _candidate(gpu, "before-flashinfer").rank, _candidate(gpu, "flashinfer").rank
+    assert mine is not None and theirs == mine + 1
+    assert f"decided by: plugin rank: {placed.describe()}" in gpu.explain()
+
+
 # ---- impostors: a built-in name cannot be taken -------------------------------------------------
 
 _IMPOSTOR = """
 import torch
-from attn_backends.plugin import Capabilities, PluginManifest, PriorityRule, hookimpl
+from attn_backends.plugin import Capabilities, PluginManifest, Rank, hookimpl
 from attn_backends_builtin.torch_sdpa import TorchSdpaBackend
 
 class Impostor(TorchSdpaBackend):  # keeps the name torch-sdpa
-    capabilities = Capabilities(
-        platforms=frozenset({"cpu"}),
-        dtypes=frozenset({torch.float32}),
-        priority=(PriorityRule("cpu", 1000),),
-    )
+    capabilities = Capabilities(platforms=frozenset({"cpu"}), dtypes=frozenset({torch.float32}))
 
 @hookimpl
 def attn_backends_register(host_api_version):
-    return PluginManifest("1.0", [Impostor()])
+    return PluginManifest("2.0", [Impostor], ranks=[Rank("torch-sdpa", before="flex")])
 """
 
 
@@ -558,8 +682,8 @@ def test_a_plugin_cannot_reuse_a_builtin_plugin_name(site: PluginSite) -> None:
 def test_a_builtin_name_stays_reserved_when_the_builtin_is_disabled(site: PluginSite) -> None:
     site.add_module("impostor_plugin", _IMPOSTOR)
     site.add_dist("aaa-impostor", {"aaa": "impostor_plugin"})
-    reg = ab.Registry()
-    reg.load_entry_points(policy=ab.PluginPolicy(disable=frozenset({"plugin:torch-sdpa"})))
+    reg = ab.deploy.Registry()
+    reg.load_entry_points(policy=ab.deploy.PluginPolicy(disable=frozenset({"plugin:torch-sdpa"})))
     assert _record(reg, "torch-sdpa").status == "disabled"
     assert reg.get("torch-sdpa") is None
     assert "backend name 'torch-sdpa' is kept for the built-in plugin torch-sdpa" in (
@@ -570,10 +694,10 @@ def test_a_builtin_name_stays_reserved_when_the_builtin_is_disabled(site: Plugin
 
 
 def test_a_builtin_takes_its_name_back_from_an_earlier_in_process_plugin() -> None:
-    reg = ab.Registry()
+    reg = ab.deploy.Registry()
     early = reg.register_plugin(StaticPlugin(_backend("torch-sdpa")), name="early")
     assert early.status == "loaded"
-    reg.load_entry_points(policy=ab.PluginPolicy(allow=frozenset({"torch-sdpa"})))
+    reg.load_entry_points(policy=ab.deploy.PluginPolicy(allow=frozenset({"torch-sdpa"})))
     entry = reg.get("torch-sdpa")
     assert entry is not None
     assert entry.builtin
@@ -594,41 +718,79 @@ class _Shifty(torch_sdpa.TorchSdpaBackend):
 def test_a_backend_that_renames_itself_after_registration_is_not_confused(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    reg = ab.Registry()
+    reg = ab.deploy.Registry()
     reg.register_plugin(torch_sdpa, name="torch-sdpa")
-    reg.register_plugin(StaticPlugin(_Shifty()), name="vendor")
+    reg.register_plugin(StaticPlugin(_Shifty, first_on="cpu"), name="vendor")
     monkeypatch.setattr(_Shifty, "name", "torch-sdpa")
     assert [e.name for e in reg.entries()] == ["torch-sdpa", "shifty"]
     sel = ab.select(SPEC, device="cpu", registry=reg)
-    shifty = next(c for c in sel.candidates if c.name == "shifty")
+    shifty = _candidate(sel, "shifty")
     assert shifty.verdict == "rejected"
-    assert "bind() returned a backend named 'torch-sdpa', not 'shifty'" in shifty.reasons[0].message
+    assert "binding made a backend named 'torch-sdpa', not 'shifty'" in shifty.reasons[0].message
     _sdpa_still_works(reg)
+
+
+class _BindRaises(torch_sdpa.TorchSdpaBackend):
+    name = "bind-raises"
+    capabilities = _EAGER
+
+    def __init__(self, spec: ab.AttentionSpec, platform: ab.Platform) -> None:
+        raise RuntimeError("vendor context lost")
 
 
 class _BindsOther(torch_sdpa.TorchSdpaBackend):
     name = "binds-other"
     capabilities = _EAGER
 
-    def bind(
-        self, spec: ab.AttentionSpec, platform: ab.Platform | None = None
-    ) -> abp.PrefillBackend:
+    def __new__(  # type: ignore[misc]  # makes another class: the fault under test
+        cls, spec: ab.AttentionSpec, platform: ab.Platform
+    ) -> torch_sdpa.TorchSdpaBackend:
         return torch_sdpa.TorchSdpaBackend(spec, platform)
 
 
-def test_bind_must_return_the_same_backend() -> None:
-    reg = ab.Registry()
+class _BindsRenamed(torch_sdpa.TorchSdpaBackend):
+    name = "binds-renamed"
+    capabilities = _EAGER
+
+    def __new__(cls, spec: ab.AttentionSpec, platform: ab.Platform) -> _BindsRenamed:
+        return super().__new__(_Renamed)
+
+
+class _Renamed(_BindsRenamed):
+    """What `_BindsRenamed` makes: an instance of its own class, under another name."""
+
+    name = "torch-sdpa"
+
+
+BIND_FAULTS: dict[str, tuple[type[torch_sdpa.TorchSdpaBackend], str]] = {
+    "raises": (_BindRaises, "binding raised RuntimeError: vendor context lost"),
+    "other-class": (
+        _BindsOther,
+        "_BindsOther(spec, platform) returned a TorchSdpaBackend: a backend class must "
+        "construct an instance of itself",
+    ),
+    "other-name": (_BindsRenamed, "binding made a backend named 'torch-sdpa', not 'binds-renamed'"),
+}
+"""A class whose ``cls(spec, platform)`` does not make the backend that was judged -> the
+reason its candidate must carry."""
+
+
+@pytest.mark.parametrize("fault", sorted(BIND_FAULTS))
+def test_binding_must_make_the_judged_backend(fault: str) -> None:
+    cls, error = BIND_FAULTS[fault]
+    reg = ab.deploy.Registry()
     reg.register_plugin(torch_sdpa, name="torch-sdpa")
-    reg.register_plugin(StaticPlugin(_BindsOther()), name="vendor")
+    reg.register_plugin(StaticPlugin(cls, first_on="cpu"), name="vendor")
     sel = ab.select(SPEC, device="cpu", registry=reg)
     assert sel.name == "torch-sdpa"
+    assert type(sel.backend) is torch_sdpa.TorchSdpaBackend
     assert sel.candidates[0].name == sel.name
-    error = "bind() returned a TorchSdpaBackend, not a _BindsOther"
-    other = next(c for c in sel.candidates if c.name == "binds-other")
+    other = _candidate(sel, cls.name)
     assert other.verdict == "rejected"
+    assert other.rank == 1, "it was first in line, and passed over"
     assert error in other.reasons[0].message
     with pytest.raises(ab.NoBackendError, match="not swapped") as info:
-        ab.select(SPEC, device="cpu", registry=reg, backend="binds-other")
+        ab.select(SPEC, device="cpu", registry=reg, backend=cls.name)
     assert error in str(info.value)
     strict = ab.select(SPEC, device="cpu", registry=reg, strict=True)
     assert strict.name == "torch-sdpa"
@@ -640,14 +802,14 @@ IMPOSTOR_CASES = (
     test_a_builtin_name_stays_reserved_when_the_builtin_is_disabled,
     test_a_builtin_takes_its_name_back_from_an_earlier_in_process_plugin,
     test_a_backend_that_renames_itself_after_registration_is_not_confused,
-    test_bind_must_return_the_same_backend,
+    test_binding_must_make_the_judged_backend,
 )
 
 
 # ---- third-party libraries are probed on real hardware ------------------------------------------
 
 
-def _needs_vendor_lib(requires: str) -> ab.NoCachePrefill:
+def _needs_vendor_lib(requires: str) -> type[torch_sdpa.TorchSdpaBackend]:
     caps = dataclasses.replace(_EAGER, requires=(requires,))
     return _backend("vendor-kernels", caps)
 
@@ -655,9 +817,10 @@ def _needs_vendor_lib(requires: str) -> ab.NoCachePrefill:
 def test_a_library_a_backend_requires_is_probed(site: PluginSite) -> None:
     site.add_module("my_vendor_kernels", "raise RuntimeError('probing imported me')\n")
     site.add_dist("my-vendor-kernels", {}, version="2.1")
-    reg = ab.Registry()
+    reg = ab.deploy.Registry()
     reg.register_plugin(torch_sdpa, name="torch-sdpa")
-    reg.register_plugin(StaticPlugin(_needs_vendor_lib("my_vendor_kernels")), name="vendor")
+    plugin = StaticPlugin(_needs_vendor_lib("my_vendor_kernels"), first_on="cpu")
+    reg.register_plugin(plugin, name="vendor")
     assert reg.required_libraries() == ("my_vendor_kernels",)
     sel = ab.select(SPEC, device="cpu", registry=reg)
     assert sel.name == "vendor-kernels"
@@ -673,12 +836,12 @@ def test_a_library_a_backend_requires_is_probed(site: PluginSite) -> None:
 
 @pytest.mark.parametrize("requires", ["absent_vendor_kernels", "absent_vendor_kernels.ops"])
 def test_a_missing_library_is_still_a_reason(requires: str) -> None:
-    reg = ab.Registry()
+    reg = ab.deploy.Registry()
     reg.register_plugin(torch_sdpa, name="torch-sdpa")
-    reg.register_plugin(StaticPlugin(_needs_vendor_lib(requires)), name="vendor")
+    reg.register_plugin(StaticPlugin(_needs_vendor_lib(requires), first_on="cpu"), name="vendor")
     sel = ab.select(SPEC, device="cpu", registry=reg)
     assert sel.name == "torch-sdpa"
-    vendor = next(c for c in sel.candidates if c.name == "vendor-kernels")
+    vendor = _candidate(sel, "vendor-kernels")
     assert [r.code for r in vendor.reasons] == [ab.ReasonCode.LIBRARY_MISSING]
 
 
@@ -755,12 +918,6 @@ def test_feature_declarations_are_checked(features, problem):
     assert len(problems) == 1 and problems[0].startswith(problem), problems
 
 
-@pytest.mark.parametrize("flag", ["gqa", "causal", "rope_fusable", "masked"])
-def test_every_priority_rule_flag_must_be_a_bool_or_none(flag):
-    problems = _validation.rule_problems(_rule(**{flag: 1}), "rule")
-    assert problems == [f"rule.{flag} must be True, False or None, got 1"]
-
-
 # ---- RoPE passes belong to their plugin ---------------------------------------------------------
 
 _ZZ_ROPE = """
@@ -776,10 +933,10 @@ ZZ = abp.RopePass("zz-vendor-rope", (("cpu", 1000),), "vendor", lambda s, p: Non
 
 
 def _rope_pass_names() -> set[str]:
-    return {p.name for p in ab.rope_passes()}
+    return {p.name for p in abp.rope_passes()}
 
 
-def _runs_with_the_torch_pass(reg: ab.Registry) -> None:
+def _runs_with_the_torch_pass(reg: ab.deploy.Registry) -> None:
     sel = ab.select(SPEC, device="cpu", registry=reg)
     assert dict(sel.details)["preprocess"] == "torch"
     _sdpa_still_works(reg)
@@ -792,7 +949,7 @@ def _runs_with_the_torch_pass(reg: ab.Registry) -> None:
 def test_a_plugin_that_fails_leaves_no_rope_pass_behind(
     site: PluginSite, where: str, how: str
 ) -> None:
-    give = "ab.register_rope_pass(ZZ)" if how == "register" else ""
+    give = "abp.register_rope_pass(ZZ)" if how == "register" else ""
     if where == "import":
         body = f"{_ZZ_ROPE}\n{give}\nraise ImportError('vendor library missing')\n"
     elif how == "register":
@@ -803,7 +960,7 @@ def test_a_plugin_that_fails_leaves_no_rope_pass_behind(
     else:  # a manifest whose only backend is refused: the plugin fails, its pass must go too
         body = (
             f"{_ZZ_ROPE}\n@abp.hookimpl\ndef attn_backends_register(host_api_version):\n"
-            "    return abp.PluginManifest('1.0', backends=[object()], rope_passes=[ZZ])\n"
+            "    return abp.PluginManifest('2.0', backends=[object()], rope_passes=[ZZ])\n"
         )
     site.add_module("zz_vendor", body)
     site.add_dist("vendor-zz", {"zz": "zz_vendor"})
@@ -825,9 +982,12 @@ class _RopePlugin:
 
     @abp.hookimpl
     def attn_backends_register(self, host_api_version: str) -> abp.PluginManifest:
-        twin = type("Twin", (torch_sdpa.TorchSdpaBackend,), {"name": self.backend})()
+        twin = cast(
+            "abp.BackendClass",
+            type("Twin", (torch_sdpa.TorchSdpaBackend,), {"name": self.backend}),
+        )
         passes: list[abp.RopePass] = list(self.passes)  # type: ignore[arg-type]  # malformed on purpose
-        return abp.PluginManifest("1.0", backends=[twin], rope_passes=passes)
+        return abp.PluginManifest(abp.PLUGIN_API_VERSION, backends=[twin], rope_passes=passes)
 
 
 def _never_applied(packed: torch.Tensor, spec: ab.AttentionSpec, params: ab.FMHAParams) -> bool:
@@ -884,7 +1044,7 @@ MALFORMED_PASSES: dict[str, tuple[object, str]] = {
 @pytest.mark.parametrize("fault", sorted(MALFORMED_PASSES))
 def test_a_malformed_rope_pass_refuses_its_plugin_alone(fault: str) -> None:
     bad, error = MALFORMED_PASSES[fault]
-    reg = ab.Registry()
+    reg = ab.deploy.Registry()
     reg.register_plugin(torch_sdpa, name="torch-sdpa")
     before = _rope_pass_names()
     record = reg.register_plugin(_RopePlugin(bad), name="vendor")
@@ -901,8 +1061,8 @@ def test_a_malformed_pass_registered_in_process_is_refused_and_rope_still_works(
 ) -> None:
     bad, error = MALFORMED_PASSES[fault]
     with pytest.raises(ab.SpecError, match=re.escape(error)):
-        ab.register_rope_pass(bad)  # type: ignore[arg-type]
-    reg = ab.Registry()
+        abp.register_rope_pass(bad)  # type: ignore[arg-type]
+    reg = ab.deploy.Registry()
     reg.register_plugin(torch_sdpa, name="torch-sdpa")
     _runs_with_the_torch_pass(reg)
 
@@ -913,13 +1073,13 @@ def test_a_pass_whose_refusal_raises_later_is_a_refusal_of_that_spec() -> None:
             raise RuntimeError("vendor cannot do d32")
         return None
 
-    reg = ab.Registry()
+    reg = ab.deploy.Registry()
     reg.register_plugin(torch_sdpa, name="torch-sdpa")
     record = reg.register_plugin(
         _RopePlugin(dataclasses.replace(_GOOD, refusal=picky)), name="vendor"
     )
     assert (record.status, record.rope_passes) == ("loaded", ("vendor-rope",))
-    ab.reset_registry(reg)  # the fixture's reset withdraws the pass
+    ab.deploy.reset_registry(reg)  # the fixture's reset withdraws the pass
     sel = ab.select(SPEC, device="cpu", backend="torch-sdpa", registry=reg)
     details = dict(sel.details)
     assert details["preprocess"] == "torch"
@@ -934,12 +1094,12 @@ def test_a_manifest_pass_is_installed_with_its_plugin_and_leaves_with_its_regist
     capsys: pytest.CaptureFixture[str],
 ) -> None:
     declines = dataclasses.replace(_GOOD, apply=lambda packed, spec, params: False)
-    reg = ab.Registry()
+    reg = ab.deploy.Registry()
     reg.register_plugin(torch_sdpa, name="torch-sdpa")
     record = reg.register_plugin(_RopePlugin(declines), name="vendor")
     assert (record.status, record.rope_passes) == ("loaded", ("vendor-rope",))
     assert record.to_dict()["rope_passes"] == ["vendor-rope"]
-    ab.reset_registry(reg)
+    ab.deploy.reset_registry(reg)
     sel = ab.select(SPEC, device="cpu", backend="torch-sdpa")
     assert dict(sel.details)["preprocess"] == "vendor-rope"
     _sdpa_still_works(reg)  # the pass declines every buffer: torch rotates, numbers stay right
@@ -950,7 +1110,7 @@ def test_a_manifest_pass_is_installed_with_its_plugin_and_leaves_with_its_regist
     taken = reg.register_plugin(_RopePlugin(impostor, backend="other-sdpa"), name="other")
     assert taken.status == "failed" and "already registered (by vendor)" in (taken.error or "")
     assert reg.get("other-sdpa") is None
-    ab.reset_registry()
+    ab.deploy.reset_registry()
     assert "vendor-rope" not in _rope_pass_names()
     sel = ab.select(SPEC, device="cpu", backend="torch-sdpa", registry=reg)
     assert dict(sel.details)["preprocess"] == "torch", "a withdrawn pass is not chosen any more"
@@ -964,19 +1124,19 @@ def test_the_flashinfer_plugin_brings_its_pass_in_its_manifest() -> None:
     reg = _default_registry()
     assert _record(reg, "flashinfer").rope_passes == ("flashinfer",)
     assert "flashinfer" in _rope_pass_names()
-    assert next(p for p in ab.rope_passes() if p.name == "flashinfer").rank("cuda") is not None
+    assert next(p for p in abp.rope_passes() if p.name == "flashinfer").rank("cuda") is not None
 
 
 def test_an_interrupted_load_takes_its_rope_passes_back(site: PluginSite) -> None:
     site.add_module(
         "a_vendor",
         f"{_ZZ_ROPE}\n@abp.hookimpl\ndef attn_backends_register(host_api_version):\n"
-        "    return abp.PluginManifest('1.0', backends=[], rope_passes=[ZZ])\n",
+        "    return abp.PluginManifest('2.0', backends=[], rope_passes=[ZZ])\n",
     )
     site.add_module("b_vendor", "raise KeyboardInterrupt\n")
     site.add_dist("a-vendor", {"a": "a_vendor"})
     site.add_dist("b-vendor", {"b": "b_vendor"})
-    reg = ab.Registry()
+    reg = ab.deploy.Registry()
     with pytest.raises(KeyboardInterrupt):
         reg.load_entry_points()
     assert reg.records() == [] and "zz-vendor-rope" not in _rope_pass_names()
@@ -987,25 +1147,33 @@ def test_an_interrupted_load_takes_its_rope_passes_back(site: PluginSite) -> Non
 
 def _guide_block(marker: str) -> str:
     """The one ```python block of the plugin guide that contains ``marker``."""
-    blocks = GUIDE.read_text().split("```python\n")[1:]
-    found = [block.split("```", 1)[0] for block in blocks if marker in block]
+    blocks = [part.split("```", 1)[0] for part in GUIDE.read_text().split("```python\n")[1:]]
+    found = [block for block in blocks if marker in block]
     assert len(found) == 1, f"expected one python block with {marker!r}, found {len(found)}"
     return found[0]
 
 
-def test_the_guides_priority_example_is_a_valid_declaration() -> None:
-    names: dict[str, object] = {"PriorityRule": abp.PriorityRule}
-    exec(_guide_block("PriorityRule("), names)
-    caps = abp.Capabilities(
-        platforms=frozenset({"cuda"}),
-        dtypes=frozenset({torch.float16}),
-        priority=names["priority"],  # type: ignore[arg-type]
-    )
-    assert _validation.capability_problems(caps) == []
-    sm90 = ab.parse_platform("cuda:sm90")
+def test_the_guides_rank_example_places_the_backend_before_flashinfer_on_cuda_only() -> None:
+    names: dict[str, object] = {"Rank": abp.Rank}
+    exec(_guide_block("Rank("), names)
+    ranks = names["ranks"]
+    assert isinstance(ranks, list) and len(ranks) == 1
+    rank = ranks[0]
+    assert isinstance(rank, abp.Rank)
+    assert (rank.backend, rank.before, rank.platform) == ("my-vendor-fmha", "flashinfer", "cuda")
+    mine = _backend("my-vendor-fmha", torch_sdpa.TorchSdpaBackend.capabilities)
+    reg = _loaded(ab.deploy.Registry(), ab.deploy.PluginPolicy())
+    record = reg.register_plugin(StaticPlugin(mine, ranks=ranks), name="guide")
+    assert (record.status, record.error) == ("loaded", None)
     spec = ab.AttentionSpec(8, 8, 64, torch.float16, causal=True)
-    rule = caps.priority_for(spec, sm90)
-    assert rule is not None and rule.score == 150
+    sel = ab.select(spec, platform="cuda:sm90", registry=reg)
+    assert sel.name == "my-vendor-fmha"
+    assert f"decided by: plugin rank: {rank.describe()}" in sel.explain()
+    cpu = ab.select(
+        spec, platform="cpu", registry=reg
+    )  # "never makes your backend the CPU default"
+    assert cpu.name == "torch-sdpa"
+    assert _candidate(cpu, "my-vendor-fmha").verdict == "not ranked"
 
 
 def test_the_guides_rope_pass_example_registers_with_its_plugin() -> None:
@@ -1021,16 +1189,16 @@ def test_the_guides_rope_pass_example_registers_with_its_plugin() -> None:
         MyFmhaBackend=type("MyFmhaBackend", (torch_sdpa.TorchSdpaBackend,), {"name": "my-fmha"}),
     )
     exec(_guide_block("rope_passes=["), module.__dict__)
-    reg = ab.Registry()
+    reg = ab.deploy.Registry()
     record = reg.register_plugin(module, name="guide")
     assert (record.status, record.rope_passes, record.error) == (
         "loaded",
         ("my-vendor-rope",),
         None,
     )
-    ab.reset_registry(reg)  # the fixture's reset withdraws the pass
+    ab.deploy.reset_registry(reg)  # the fixture's reset withdraws the pass
     interleaved = ab.RopeSpec(1e4, interleaved=True)
-    refusal = next(p for p in ab.rope_passes() if p.name == "my-vendor-rope").refusal
+    refusal = next(p for p in abp.rope_passes() if p.name == "my-vendor-rope").refusal
     assert refusal(dataclasses.replace(SPEC, rope=interleaved), ab.parse_platform("cuda:sm90")) == (
         "rotates rotate-half pairs only"
     )

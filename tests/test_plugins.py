@@ -16,7 +16,9 @@ import torch
 from attn_backends_builtin import torch_sdpa
 
 import attn_backends as ab
+import attn_backends.deploy
 import attn_backends.plugin as abp
+import attn_backends.reference
 from attn_backends import testing
 from tests.plugin_site import PluginSite, open_site
 from tests.static_plugin import StaticPlugin
@@ -61,13 +63,13 @@ def test_the_site_metadata_matches_the_example_pyproject() -> None:
     assert f"[project.entry-points.attn_backends]\n{lines}" in text
 
 
-def _sdpa_registry() -> ab.Registry:
-    reg = ab.Registry()
+def _sdpa_registry() -> ab.deploy.Registry:
+    reg = ab.deploy.Registry()
     reg.register_plugin(torch_sdpa, name="torch-sdpa")
     return reg
 
 
-def _record(reg: ab.Registry, name: str) -> ab.PluginRecord:
+def _record(reg: ab.deploy.Registry, name: str) -> ab.deploy.PluginRecord:
     return next(r for r in reg.records() if r.name == name)
 
 
@@ -76,7 +78,7 @@ def _candidate(sel: ab.Selection, name: str) -> ab.Candidate:
 
 
 def test_example_distribution_is_discovered_through_its_metadata(example_site: PluginSite) -> None:
-    reg = ab.Registry()
+    reg = ab.deploy.Registry()
     records = reg.load_entry_points()
     rec = _record(reg, "example-matmul")
     assert rec in records
@@ -91,17 +93,17 @@ def test_example_distribution_is_discovered_through_its_metadata(example_site: P
 
 def test_without_the_metadata_the_example_is_not_found(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.syspath_prepend(str(EXAMPLE))  # importable, but not installed: no entry point
-    reg = ab.Registry()
+    reg = ab.deploy.Registry()
     reg.load_entry_points()
     assert reg.get("example-matmul") is None
     assert reg.get("torch-sdpa") is not None
 
 
 def test_installing_a_plugin_never_changes_the_default_choice(example_site: PluginSite) -> None:
-    with_example = ab.Registry()
+    with_example = ab.deploy.Registry()
     with_example.load_entry_points()
-    without = ab.Registry()  # the same installation, minus the example
-    without.load_entry_points(policy=ab.PluginPolicy(disable=frozenset({"example-matmul"})))
+    without = ab.deploy.Registry()  # the same installation, minus the example
+    without.load_entry_points(policy=ab.deploy.PluginPolicy(disable=frozenset({"example-matmul"})))
     assert without.get("example-matmul") is None
     for platform in ("cpu", "cuda:sm90", "rocm:gfx942"):
         chosen = ab.select(SPEC, platform=platform, registry=with_example)
@@ -112,11 +114,12 @@ def test_installing_a_plugin_never_changes_the_default_choice(example_site: Plug
         assert cand.verdict == "not ranked"
         assert [r.code for r in cand.reasons] == [ab.ReasonCode.NOT_RANKED]
         assert "example-matmul (plugin example-matmul)" in chosen.explain()
-        assert "chosen only when named explicitly" in chosen.explain()
+        assert "no row of the ranking table or plugin rank for" in cand.reasons[0].message
+        assert "chosen only when named" in chosen.explain()
 
 
 def test_explicit_choice_runs_the_example_against_the_reference(example_site: PluginSite) -> None:
-    reg = ab.Registry()
+    reg = ab.deploy.Registry()
     reg.load_entry_points()
     sel = ab.select(SPEC, backend="example-matmul", device="cpu", registry=reg)
     assert sel.name == "example-matmul"
@@ -125,11 +128,11 @@ def test_explicit_choice_runs_the_example_against_the_reference(example_site: Pl
     qkv = torch.randn(30, SPEC.qkv_width, generator=torch.Generator().manual_seed(3)).half()
     ref = ab.reference_attention(qkv, SPEC, params)
     out = sel.backend.forward(qkv, sel.backend.prepare(params))
-    assert ab.relative_error(out, ref) < ab.TOLERANCE[torch.float16]
+    assert ab.reference.relative_error(out, ref) < ab.reference.TOLERANCE[torch.float16]
 
 
 def test_example_passes_the_conformance_suite(example_site: PluginSite) -> None:
-    reg = ab.Registry()
+    reg = ab.deploy.Registry()
     reg.load_entry_points()
     entry = reg.get("example-matmul")
     assert entry is not None
@@ -137,7 +140,7 @@ def test_example_passes_the_conformance_suite(example_site: PluginSite) -> None:
     assert len(cases) >= 20
     for case in cases:
         err = testing.run_case("example-matmul", case, "cpu", registry=reg)
-        assert err < ab.TOLERANCE[case.spec.dtype], case.id
+        assert err < ab.reference.TOLERANCE[case.spec.dtype], case.id
 
 
 def test_incompatible_major_version_is_refused_naming_both(site: PluginSite) -> None:
@@ -150,25 +153,25 @@ def test_incompatible_major_version_is_refused_naming_both(site: PluginSite) -> 
 
         @hookimpl
         def attn_backends_register(host_api_version):
-            return PluginManifest(api_version="{version}", backends=[Renamed()])
+            return PluginManifest(api_version="{version}", backends=[Renamed])
     """
-    site.add_module("future_api_plugin", template.format(name="future", version="2.0"))
-    site.add_module("minor_api_plugin", template.format(name="minor", version="1.9"))
+    site.add_module("future_api_plugin", template.format(name="future", version="3.0"))
+    site.add_module("minor_api_plugin", template.format(name="minor", version="2.9"))
     site.add_dist(
         "vendor-api",
         {"future": "future_api_plugin", "minor": "minor_api_plugin"},
     )
-    reg = ab.Registry()
+    reg = ab.deploy.Registry()
     reg.load_entry_points()
     future = _record(reg, "future")
     assert future.status == "incompatible"
     assert future.error is not None
-    assert "2.0" in future.error
+    assert "3.0" in future.error
     assert abp.PLUGIN_API_VERSION in future.error
     assert reg.get("future") is None
     assert _record(reg, "minor").status == "loaded"  # same major version: accepted
     sel = ab.select(SPEC, platform="cpu", registry=reg)
-    assert "future: incompatible: built for plugin API 2.0" in sel.explain()
+    assert "future: incompatible: built for plugin API 3.0" in sel.explain()
     plugins = sel.to_dict()["plugins"]
     assert isinstance(plugins, list)
     assert {"name": "future", "status": "incompatible"} in [
@@ -182,7 +185,7 @@ def test_allow_list_loads_only_the_named_plugins(
     example_site.add_module("tracer_plugin", "import sys\nsys.modules['tracer_imported'] = sys\n")
     example_site.add_dist("vendor-tracer", {"tracer": "tracer_plugin"})
     monkeypatch.setenv("ATTN_BACKENDS_PLUGINS", " torch-sdpa, example-matmul ")
-    reg = ab.Registry()
+    reg = ab.deploy.Registry()
     reg.load_entry_points()
     assert _record(reg, "torch-sdpa").status == "loaded"
     assert _record(reg, "example-matmul").status == "loaded"
@@ -210,7 +213,7 @@ def test_disable_list_blocks_a_plugin_at_load(
 ) -> None:
     monkeypatch.setenv("ATTN_BACKENDS_DISABLE", "example-matmul")
     sys.modules.pop("attn_backends_example.plugin", None)
-    reg = ab.Registry()
+    reg = ab.deploy.Registry()
     reg.load_entry_points()
     rec = _record(reg, "example-matmul")
     assert rec.status == "disabled"
@@ -222,21 +225,29 @@ def test_disable_list_blocks_a_plugin_at_load(
 class _SecondChoice(torch_sdpa.TorchSdpaBackend):
     name = "second-choice"
     capabilities = abp.Capabilities(
-        platforms=frozenset({"cpu"}),
-        dtypes=frozenset({torch.float16, torch.float32}),
-        priority=(abp.PriorityRule("cpu", 10, note="test fallback"),),
+        platforms=frozenset({"cpu"}), dtypes=frozenset({torch.float16, torch.float32})
     )
+
+
+def _second_choice() -> StaticPlugin:
+    """`_SecondChoice`, ranked right after torch-sdpa on the CPU: the fallback."""
+    after = abp.Rank("second-choice", after="torch-sdpa", platform="cpu", note="test fallback")
+    return StaticPlugin(_SecondChoice, ranks=[after])
 
 
 def test_disabled_backend_is_a_rejected_candidate_and_env_keys_the_cache(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     reg = _sdpa_registry()
-    reg.register_plugin(StaticPlugin(_SecondChoice()), name="vendor")
+    reg.register_plugin(_second_choice(), name="vendor")
     assert ab.select(SPEC, platform="cpu", registry=reg).name == "torch-sdpa"
     monkeypatch.setenv("ATTN_BACKENDS_DISABLE", "torch-sdpa")
     sel = ab.select(SPEC, platform="cpu", registry=reg)  # same registry, same cache
     assert sel.name == "second-choice"
+    assert (
+        sel.candidates[0].ranked_by
+        == "plugin rank: second-choice after torch-sdpa on cpu (test fallback)"
+    )
     cand = _candidate(sel, "torch-sdpa")
     assert cand.verdict == "rejected"
     assert [r.code for r in cand.reasons] == [ab.ReasonCode.DISABLED]
@@ -257,12 +268,12 @@ def test_disabled_backend_is_a_rejected_candidate_and_env_keys_the_cache(
 
 
 def test_policy_parsing() -> None:
-    policy = ab.PluginPolicy.from_env(
+    policy = ab.deploy.PluginPolicy.from_env(
         {"ATTN_BACKENDS_PLUGINS": " a ,, b ", "ATTN_BACKENDS_DISABLE": "c,"}
     )
     assert policy.allow == frozenset({"a", "b"})
     assert policy.disable == frozenset({"c"})
-    assert ab.PluginPolicy.from_env({"ATTN_BACKENDS_PLUGINS": "  "}).allow is None
+    assert ab.deploy.PluginPolicy.from_env({"ATTN_BACKENDS_PLUGINS": "  "}).allow is None
     assert policy.plugin_refusal("a") is None
     assert policy.backend_refusal("c", "a") == "backend 'c' is listed in $ATTN_BACKENDS_DISABLE"
     assert policy.backend_refusal("x", "z") == "plugin 'z' is not in $ATTN_BACKENDS_PLUGINS=a,b"
@@ -272,7 +283,7 @@ def test_prefixes_say_whether_a_disabled_name_is_a_plugin_or_a_backend(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     reg = _sdpa_registry()
-    reg.register_plugin(StaticPlugin(_SecondChoice()), name="vendor")
+    reg.register_plugin(_second_choice(), name="vendor")
     cases = {
         "plugin:torch-sdpa": ("second-choice", "plugin 'torch-sdpa' is listed"),
         "backend:torch-sdpa": ("second-choice", "backend 'torch-sdpa' is listed"),
@@ -295,8 +306,8 @@ def test_prefixes_say_whether_a_disabled_name_is_a_plugin_or_a_backend(
 
 
 def test_a_backend_prefix_leaves_the_plugin_loaded(example_site: PluginSite) -> None:
-    reg = ab.Registry()
-    reg.load_entry_points(policy=ab.PluginPolicy(disable=frozenset({"backend:torch-sdpa"})))
+    reg = ab.deploy.Registry()
+    reg.load_entry_points(policy=ab.deploy.PluginPolicy(disable=frozenset({"backend:torch-sdpa"})))
     assert _record(reg, "torch-sdpa").status == "loaded"
     assert reg.get("torch-sdpa") is not None
 
@@ -306,8 +317,8 @@ def test_a_listed_name_that_matches_nothing_is_warned_about_and_recorded(
     monkeypatch: pytest.MonkeyPatch,
     caplog: pytest.LogCaptureFixture,
 ) -> None:
-    reg = ab.Registry()
-    reg.load_entry_points(policy=ab.PluginPolicy())
+    reg = ab.deploy.Registry()
+    reg.load_entry_points(policy=ab.deploy.PluginPolicy())
     monkeypatch.setenv("ATTN_BACKENDS_DISABLE", "torch-spda,example-matmul")
     monkeypatch.setenv("ATTN_BACKENDS_PLUGINS", "torch-sdpa,exmaple-matmul,backend:torch-sdpa")
     with caplog.at_level(logging.WARNING, logger="attn_backends"):
@@ -321,7 +332,7 @@ def test_a_listed_name_that_matches_nothing_is_warned_about_and_recorded(
     )
     assert "'torch-spda'" in caplog.text
     assert "match no plugin or registered backend" in caplog.text
-    policy = ab.PluginPolicy.from_env({"ATTN_BACKENDS_DISABLE": "a, plugin:b ,backend:c"})
+    policy = ab.deploy.PluginPolicy.from_env({"ATTN_BACKENDS_DISABLE": "a, plugin:b ,backend:c"})
     assert policy.unmatched(["a", "b"], ["c"]) == ()
     assert policy.unmatched(["c"], ["a", "b"]) == ("backend:c", "plugin:b")
 
@@ -333,11 +344,12 @@ def test_strict_mode_runs_a_canary_that_touches_nothing_shared() -> None:
     rng = torch.get_rng_state()
     sel = ab.select(SPEC, device="cpu", strict=True, registry=reg)
     assert torch.equal(torch.get_rng_state(), rng), "the canary used the global generator"
-    assert entry.backend.spec is None, "the registered instance was bound"
+    assert entry.backend is torch_sdpa.TorchSdpaBackend, "the registry holds the class"
+    assert type(sel.backend) is torch_sdpa.TorchSdpaBackend and sel.backend.spec == SPEC
     assert sel.strict
     assert sel.canary.status == "passed"
     assert sel.canary.relative_error is not None
-    assert sel.canary.relative_error < ab.TOLERANCE[torch.float16]
+    assert sel.canary.relative_error < ab.reference.TOLERANCE[torch.float16]
     assert "strict: on; canary passed on cpu" in sel.explain()
     assert sel.to_dict()["canary"] == sel.canary.to_dict()
     relaxed = ab.select(SPEC, device="cpu", registry=reg)
@@ -363,7 +375,7 @@ def test_strict_mode_skips_the_canary_on_a_dry_run_platform() -> None:
 def test_strict_canary_for_fp8_specs_uses_the_request_dtype() -> None:
     spec = ab.AttentionSpec(4, 4, 32, torch.float8_e4m3fn, causal=False)
     reg = _sdpa_registry()
-    reg.register_plugin(StaticPlugin(_Fp8Sdpa()), name="fp8")
+    reg.register_plugin(StaticPlugin(_Fp8Sdpa), name="fp8")
     sel = ab.select(spec, backend="fp8-sdpa", device="cpu", strict=True, registry=reg)
     assert sel.canary.status == "passed", sel.canary.detail
     assert "float8_e4m3fn" in sel.canary.detail
@@ -394,7 +406,8 @@ class _RegressedSdpa(torch_sdpa.TorchSdpaBackend):
         platforms=frozenset({"cpu"}), dtypes=frozenset({torch.float16, torch.float32})
     )
 
-    def extra_reasons(self, spec: ab.AttentionSpec, platform: ab.Platform) -> list[ab.Reason]:
+    @classmethod
+    def extra_reasons(cls, spec: ab.AttentionSpec, platform: ab.Platform) -> list[ab.Reason]:
         if spec.dtype == torch.float32:
             return [ab.Reason(ab.ReasonCode.BACKEND_SPECIFIC, "float32 broke")]
         return []
@@ -402,7 +415,7 @@ class _RegressedSdpa(torch_sdpa.TorchSdpaBackend):
 
 def test_a_refused_generated_case_fails_but_a_missing_platform_skips() -> None:
     reg = _sdpa_registry()
-    reg.register_plugin(StaticPlugin(_RegressedSdpa()), name="regressed")
+    reg.register_plugin(StaticPlugin(_RegressedSdpa), name="regressed")
     entry = reg.get("regressed-sdpa")
     assert entry is not None
     cases = testing.conformance_cases(entry.capabilities)

@@ -15,6 +15,7 @@ import torch
 from attn_backends_builtin._flashinfer_rope import FLASHINFER_ROPE, flashinfer_rope_refusal
 
 import attn_backends as ab
+import attn_backends.reference
 from attn_backends._backend._reference import _rotate
 from attn_backends._model._errors import NativeBuildError
 from attn_backends._model._platform import PlatformKind
@@ -280,7 +281,7 @@ def test_native_mode_calls_the_kernel_once_per_forward(monkeypatch):
     assert ptr == qkv.data_ptr() and cu is params.cu_seqlens_q and tokens == 15 and spec == SMALL
     assert kw == {}
     ref = ab.reference_attention(pristine, SMALL, params)
-    assert ab.relative_error(out, ref) < ab.TOLERANCE[torch.float32]
+    assert ab.reference.relative_error(out, ref) < ab.reference.TOLERANCE[torch.float32]
 
 
 def _install_fake_flashinfer(monkeypatch, calls):

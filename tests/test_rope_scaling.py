@@ -16,12 +16,16 @@ from attn_backends_builtin._flashinfer_rope import (
 )
 
 import attn_backends as ab
+import attn_backends.integrations as abi
+import attn_backends.plugin as abp
 from attn_backends._backend import _backend
-from attn_backends._backend._capabilities import Capabilities, PriorityRule
+from attn_backends._backend._capabilities import Capabilities
 from attn_backends._backend._reference import TOLERANCE, reference_attention, relative_error
 from attn_backends._model._fingerprint import canonical_json
 from attn_backends._path import _native, _preprocess
 from attn_backends._path._preprocess import apply_torch_pass, choose_preprocess, native_refusal
+from attn_backends._select._ranking import Row
+from attn_backends.errors import GraphModeError
 from attn_backends.plugin import preprocess_mode
 from tests.fakes import fake_flashinfer_rope
 from tests.fakes.fake_flashinfer import install
@@ -59,7 +63,7 @@ def spec_with(scaling: ab.RopeScaling | None, **kw) -> ab.AttentionSpec:
 
 @pytest.fixture(autouse=True)
 def _fresh_caches():
-    ab.register_rope_pass(FLASHINFER_ROPE)
+    abp.register_rope_pass(FLASHINFER_ROPE)
     _preprocess.clear_preprocess_cache()
     yield
     _preprocess.clear_preprocess_cache()
@@ -69,7 +73,7 @@ def _fresh_caches():
 
 
 def test_every_rule_is_frozen_hashable_and_equal_by_value():
-    assert set(RULES) | {"default"} == set(ab.ROPE_TYPES)
+    assert set(RULES) | {"default"} == set(abi.ROPE_TYPES)
     for name, rule in RULES.items():
         again = ab.RopeScaling(**{**rule.__dict__})
         assert again == rule and hash(again) == hash(rule), name
@@ -251,18 +255,18 @@ def test_from_hf_refusals_say_what_to_give(params, match):
 
 
 def test_rope_spec_from_hf_maps_theta_and_partial_rotary():
-    rope = ab.rope_spec_from_hf(
+    rope = abi.rope_spec_from_hf(
         {"rope_type": "linear", "factor": 2.0, "rope_theta": 5e5, "partial_rotary_factor": 0.5},
         head_dim=128,
     )
     assert rope == ab.RopeSpec(5e5, rotary_dim=64, scaling=ab.RopeScaling("linear", factor=2.0))
-    prop = ab.rope_spec_from_hf(
+    prop = abi.rope_spec_from_hf(
         {"rope_type": "proportional", "partial_rotary_factor": 0.25}, head_dim=128
     )
     assert prop.rotary_dim is None and prop.scaling == ab.RopeScaling(
         "proportional", partial_rotary_factor=0.25
     )
-    assert ab.rope_spec_from_hf({"rope_type": "default"}, head_dim=64) == ab.RopeSpec(10000.0)
+    assert abi.rope_spec_from_hf({"rope_type": "default"}, head_dim=64) == ab.RopeSpec(10000.0)
 
 
 # ---------------------------------------------------------------- which pass serves what
@@ -295,11 +299,11 @@ def test_fused_kernels_are_never_asked_for_scaled_rope():
         platforms=frozenset({"cuda"}), dtypes=frozenset({torch.bfloat16}), fused_rope=True
     )
     assert caps.fuses_rope(spec_with(None), 64)
-    rule = PriorityRule(platform="cuda", score=10, rope_fusable=True)
-    assert rule.matches(spec_with(None), H200)
+    row = Row("x", "cuda", "fused RoPE only", rope_fusable=True)
+    assert row.holds(spec_with(None), H200)
     for scaling in RULES.values():
         assert not caps.fuses_rope(spec_with(scaling), 64)
-        assert not rule.matches(spec_with(scaling), H200)
+        assert not row.holds(spec_with(scaling), H200)
         assert preprocess_mode(spec_with(scaling), fused_rope=True) == "torch"
 
 
@@ -312,7 +316,7 @@ def test_graph_mode_refuses_scaled_rope_and_says_why(monkeypatch):
     spec = spec_with(RULES["yarn"])
     backend = ab.select(spec, backend="flashinfer", platform=platform, cuda_graph=True).backend
     assert isinstance(backend, ab.CudaGraphPrefill)
-    with pytest.raises(ab.GraphModeError, match="not 'yarn' scaling"):
+    with pytest.raises(GraphModeError, match="not 'yarn' scaling"):
         backend.prepare_graph(ab.GraphBucket(max_tokens=64, max_batch=2), device="cpu")
 
 

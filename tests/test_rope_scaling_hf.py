@@ -18,6 +18,7 @@ import pytest
 import torch
 
 import attn_backends as ab
+import attn_backends.integrations as abi
 from attn_backends._path._preprocess import apply_torch_pass
 from attn_backends._path._rope import build_position_tables
 
@@ -141,14 +142,14 @@ def _angle_tolerance(seq_len: int) -> float:
 def test_every_type_of_transformers_table_is_covered():
     covered = {params["rope_type"] for _, _, params in CASES}
     assert set(rope_utils.ROPE_INIT_FUNCTIONS) | {"default"} == covered
-    assert covered == set(ab.ROPE_TYPES)
+    assert covered == set(abi.ROPE_TYPES)
 
 
 @pytest.mark.parametrize(("name", "max_pos", "params"), CASES, ids=[c[0] for c in CASES])
 @pytest.mark.parametrize("seq_len", LENGTHS)
 def test_inverse_frequencies_and_attention_factor_match(name, max_pos, params, seq_len):
     config = _config(max_pos, params)
-    rope = ab.rope_spec_from_hf_config(config)
+    rope = abi.rope_spec_from_hf_config(config)
     hf_freq, hf_factor = _hf_inv_freq(config, seq_len)
     hf = hf_freq.to(torch.float64)
     spec = ab.AttentionSpec(HEADS, KV_HEADS, HEAD_DIM, torch.float32, causal=True, rope=rope)
@@ -175,7 +176,7 @@ def _hf_cos_sin(config: Any, position_ids: torch.Tensor) -> tuple[torch.Tensor, 
 def test_position_tables_match_the_rotary_embedding(name, max_pos, params, seq_len):
     config = _config(max_pos, params)
     spec = ab.AttentionSpec(
-        HEADS, KV_HEADS, HEAD_DIM, torch.float32, True, rope=ab.rope_spec_from_hf_config(config)
+        HEADS, KV_HEADS, HEAD_DIM, torch.float32, True, rope=abi.rope_spec_from_hf_config(config)
     )
     positions = torch.arange(seq_len)
     hf_cos, hf_sin = _hf_cos_sin(config, positions[None])
@@ -239,7 +240,7 @@ BATCHES = [(5, 1, 12), (17, 1, 40, 3), (70, 8, 1, 33)]
 @pytest.mark.parametrize("lengths", BATCHES)
 def test_torch_pass_on_packed_batch_matches_apply_rotary_pos_emb(name, max_pos, params, lengths):
     config = _config(max_pos, params)
-    rope = ab.rope_spec_from_hf_config(config)
+    rope = abi.rope_spec_from_hf_config(config)
     spec = ab.AttentionSpec(HEADS, KV_HEADS, HEAD_DIM, torch.float32, causal=True, rope=rope)
     # |x| of a standard normal row stays below ~6, so the rotated error is bounded by 6 * the
     # table error plus the products' float32 rounding.
@@ -263,8 +264,8 @@ def test_a_wrong_factor_or_type_fails_the_same_comparison(name, max_pos, params,
     """Negative control: the comparison above has the power to see a wrong rule."""
     config = _config(max_pos, params)
     wrong = _config(max_pos, {**params, **change})
-    rope = ab.rope_spec_from_hf_config(wrong)
-    assert rope != ab.rope_spec_from_hf_config(config)
+    rope = abi.rope_spec_from_hf_config(wrong)
+    assert rope != abi.rope_spec_from_hf_config(config)
     spec = ab.AttentionSpec(HEADS, KV_HEADS, HEAD_DIM, torch.float32, causal=True, rope=rope)
     lengths = BATCHES[-1]
     tol = 6.0 * _angle_tolerance(max(lengths)) + 16 * EPS32
@@ -276,7 +277,7 @@ def test_length_decision_is_the_longest_sequence_of_the_batch():
     decides per call from the largest position id), and leaves a batch of short ones plain."""
     config = _config(32, CASES[2][2])
     spec = ab.AttentionSpec(
-        HEADS, KV_HEADS, HEAD_DIM, torch.float32, True, rope=ab.rope_spec_from_hf_config(config)
+        HEADS, KV_HEADS, HEAD_DIM, torch.float32, True, rope=abi.rope_spec_from_hf_config(config)
     )
     plain = replace(spec, rope=ab.RopeSpec(10000.0))
     short = build_position_tables(spec, torch.arange(8, dtype=torch.int32), 8)
@@ -291,12 +292,12 @@ def test_length_decision_is_the_longest_sequence_of_the_batch():
 def test_old_rope_scaling_shape_and_top_level_theta():
     """transformers 4 kept ``rope_scaling`` with ``type`` and ``rope_theta`` on the config."""
     old = {"type": "yarn", "factor": 4.0, "original_max_position_embeddings": 16}
-    rope = ab.rope_spec_from_hf(old, head_dim=HEAD_DIM, max_position_embeddings=64, rope_theta=5e5)
+    rope = abi.rope_spec_from_hf(old, head_dim=HEAD_DIM, max_position_embeddings=64, rope_theta=5e5)
     assert rope.theta == 5e5
     assert rope.scaling == ab.RopeScaling("yarn", factor=4.0, original_max_position_embeddings=16)
     params = {**old, "rope_type": "yarn", "rope_theta": 5e5}
     params.pop("type")
-    assert ab.rope_spec_from_hf_config(_config(64, params)) == rope
+    assert abi.rope_spec_from_hf_config(_config(64, params)) == rope
 
 
 def test_partial_rotary_factor_rotates_leading_dims_with_their_own_exponent():
@@ -307,7 +308,7 @@ def test_partial_rotary_factor_rotates_leading_dims_with_their_own_exponent():
         partial_rotary_factor=0.5,
         rope_parameters={"rope_type": "linear", "factor": 2.0},
     )
-    rope = ab.rope_spec_from_hf_config(config)
+    rope = abi.rope_spec_from_hf_config(config)
     assert rope.rotary_dim == HEAD_DIM // 2
     hf, _ = rope_utils.ROPE_INIT_FUNCTIONS["linear"](config, "cpu")
     assert rope.scaling is not None
@@ -324,7 +325,7 @@ def test_reference_rotation_matches_transformers():
     lengths = (70, 8)
     for _name, max_pos, params in CASES:
         config = _config(max_pos, params)
-        rope = ab.rope_spec_from_hf_config(config)
+        rope = abi.rope_spec_from_hf_config(config)
         spec = ab.AttentionSpec(HEADS, KV_HEADS, HEAD_DIM, torch.float32, True, rope=rope)
         packed = _packed(lengths, padding=0, seed=7)
         expected = _hf_rotated(config, packed, lengths)

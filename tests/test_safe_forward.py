@@ -9,7 +9,10 @@ import torch
 from attn_backends_builtin.torch_sdpa import TorchSdpaBackend
 
 import attn_backends as ab
+import attn_backends.deploy
+import attn_backends.errors
 import attn_backends.plugin as abp
+import attn_backends.reference
 from attn_backends._path import _contract
 
 ROPE = ab.AttentionSpec(4, 2, 16, torch.float32, causal=True, rope=ab.RopeSpec(1e4, 8))
@@ -39,10 +42,10 @@ class _Failing(TorchSdpaBackend):
 @pytest.mark.parametrize("spec", [ROPE, PLAIN], ids=["rope", "no-rope"])
 def test_a_kernel_failure_says_whether_the_input_was_modified(spec):
     params = params_of()
-    backend = _Failing(spec)
+    backend = _Failing.bind(spec)
     qkv = qkv_for(spec, params)
     pristine = qkv.clone()
-    with pytest.raises(ab.BackendFailure, match="kernel fault") as info:
+    with pytest.raises(ab.errors.BackendFailure, match="kernel fault") as info:
         backend.forward(qkv, backend.prepare(params))
     if spec.rope is None:
         assert info.value.modified is None
@@ -58,9 +61,9 @@ def test_a_kernel_failure_says_whether_the_input_was_modified(spec):
 
 def test_a_library_error_after_the_pass_keeps_its_type_and_gains_the_note():
     params = params_of()
-    backend = _Failing(ROPE)
-    backend.error = ab.ParamsError("stale metadata")
-    with pytest.raises(ab.ParamsError, match=r"stale metadata.*WAS MODIFIED") as info:
+    backend = _Failing.bind(ROPE)
+    backend.error = ab.errors.ParamsError("stale metadata")
+    with pytest.raises(ab.errors.ParamsError, match=r"stale metadata.*WAS MODIFIED") as info:
         backend.forward(qkv_for(ROPE, params), backend.prepare(params))
     assert info.value.modified is not None
 
@@ -71,34 +74,34 @@ def test_a_failing_rope_pass_says_the_input_may_have_changed(monkeypatch):
 
     monkeypatch.setattr(_contract, "run_rope_pass", broken)
     params = params_of()
-    backend = TorchSdpaBackend(ROPE)
-    with pytest.raises(ab.BackendFailure, match="MAY HAVE BEEN MODIFIED") as info:
+    backend = TorchSdpaBackend.bind(ROPE)
+    with pytest.raises(ab.errors.BackendFailure, match="MAY HAVE BEEN MODIFIED") as info:
         backend.forward(qkv_for(ROPE, params), backend.prepare(params))
     assert isinstance(info.value.__cause__, RuntimeError)
 
 
 def test_an_inference_tensor_outside_inference_mode_is_refused_untouched():
     params = params_of()
-    backend = TorchSdpaBackend(ROPE)
+    backend = TorchSdpaBackend.bind(ROPE)
     plan = backend.prepare(params)
     with torch.inference_mode():
         qkv = qkv_for(ROPE, params)
     pristine = qkv.clone()
-    with pytest.raises(ab.PackedQKVError, match=r"made under torch\.inference_mode"):
+    with pytest.raises(ab.errors.PackedQKVError, match=r"made under torch\.inference_mode"):
         backend.forward(qkv, plan)
     assert torch.equal(qkv, pristine)
     with torch.inference_mode():
         out = backend.forward(qkv, plan)
     ref = ab.reference_attention(pristine, ROPE, params)
-    assert ab.relative_error(out, ref) < ab.TOLERANCE[ROPE.dtype]
+    assert ab.reference.relative_error(out, ref) < ab.reference.TOLERANCE[ROPE.dtype]
 
 
 def test_a_buffer_needing_grad_is_refused_untouched():
     params = params_of()
-    backend = TorchSdpaBackend(ROPE)
+    backend = TorchSdpaBackend.bind(ROPE)
     qkv = qkv_for(ROPE, params).requires_grad_()
     pristine = qkv.detach().clone()
-    with pytest.raises(ab.PackedQKVError, match="requires grad"):
+    with pytest.raises(ab.errors.PackedQKVError, match="requires grad"):
         backend.forward(qkv, backend.prepare(params))
     assert torch.equal(qkv.detach(), pristine)
 
@@ -113,11 +116,11 @@ def test_a_buffer_needing_grad_is_refused_untouched():
 )
 def test_a_plan_refuses_a_buffer_of_other_rows(planned, pad, given_rows, match):
     params = params_of(planned, pad)
-    backend = TorchSdpaBackend(ROPE)
+    backend = TorchSdpaBackend.bind(ROPE)
     plan = backend.prepare(params)
     qkv = torch.randn(given_rows, ROPE.qkv_width)
     pristine = qkv.clone()
-    with pytest.raises(ab.PackedQKVError, match=match):
+    with pytest.raises(ab.errors.PackedQKVError, match=match):
         backend.forward(qkv, plan)
     assert torch.equal(qkv, pristine)
 
@@ -139,7 +142,7 @@ def checked_buffers(monkeypatch) -> list[int]:
 def test_buffer_checks_run_once_per_signature_and_again_for_a_changed_buffer(checked_buffers):
     calls = checked_buffers
     params = params_of()
-    backend = TorchSdpaBackend(PLAIN)
+    backend = TorchSdpaBackend.bind(PLAIN)
     plan = backend.prepare(params)
     qkv = qkv_for(PLAIN, params)
     for _ in range(5):
@@ -152,11 +155,11 @@ def test_buffer_checks_run_once_per_signature_and_again_for_a_changed_buffer(che
     assert len(calls) == 2
     # Same address, other geometry: rows that overlap in memory are refused again.
     overlapping = qkv.as_strided(qkv.shape, (PLAIN.qkv_width - 16, 1))
-    with pytest.raises(ab.PackedQKVError, match="rows overlap"):
+    with pytest.raises(ab.errors.PackedQKVError, match="rows overlap"):
         backend.forward(overlapping, plan)
     # Same address and shape, another dtype: refused, not served from the memo.
     as_int = qkv.view(torch.int32)
-    with pytest.raises(ab.PackedQKVError, match="dtype int32"):
+    with pytest.raises(ab.errors.PackedQKVError, match="dtype int32"):
         backend.forward(as_int, plan)
     # A second plan keeps its own memo.
     plan2 = backend.prepare(params)
@@ -169,7 +172,7 @@ def test_a_layer_loop_rotating_through_buffers_is_checked_once_per_buffer(checke
     of them is remembered, and one past `MEMO_SLOTS` pushes out the oldest."""
     calls = checked_buffers
     params = params_of()
-    backend = TorchSdpaBackend(PLAIN)
+    backend = TorchSdpaBackend.bind(PLAIN)
     plan = backend.prepare(params)
     buffers = [qkv_for(PLAIN, params) for _ in range(3)]
     for _layer in range(4):
@@ -226,9 +229,9 @@ class _WritesQ(TorchSdpaBackend):
     ],
 )
 def test_the_canary_sees_a_write_outside_the_rotated_columns(backend, spec, match):
-    result = ab.run_canary(backend(spec), spec, "cpu")
+    result = ab.deploy.run_canary(backend.bind(spec), spec, "cpu")
     assert result.status == "failed" and match in result.detail, result.detail
-    honest = ab.run_canary(TorchSdpaBackend(spec), spec, "cpu")
+    honest = ab.deploy.run_canary(TorchSdpaBackend.bind(spec), spec, "cpu")
     assert honest.status == "passed", honest.detail
 
 

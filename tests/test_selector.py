@@ -1,5 +1,5 @@
-"""Selection: priorities as data, explicit and environment choices honoured or refused with
-reasons, every candidate on record, caching, dry runs."""
+"""Selection: the ranking table and plugin ranks, explicit and environment choices honoured
+or refused with reasons, every candidate on record, caching, dry runs."""
 
 from __future__ import annotations
 
@@ -8,22 +8,23 @@ import json
 
 import pytest
 import torch
+from attn_backends_builtin import torch_sdpa
 
 import attn_backends as ab
+import attn_backends.deploy
+import attn_backends.errors
 import attn_backends.plugin as abp
 from attn_backends._select import _selector
+from attn_backends._select._ranking import Row
 from tests.static_plugin import StaticPlugin
 
 SPEC = ab.AttentionSpec(8, 2, 64, torch.bfloat16, causal=True, rope=ab.RopeSpec(1e6))
 
 
-def make_backend(name, *, platforms=("cpu",), dtypes=(torch.bfloat16,), priority=(), **caps):
+def make_backend(name, *, platforms=("cpu",), dtypes=(torch.bfloat16,), **caps):
     class _Backend(abp.PrefillBackend):
         capabilities = abp.Capabilities(
-            platforms=frozenset(platforms),
-            dtypes=frozenset(dtypes),
-            priority=tuple(priority),
-            **caps,
+            platforms=frozenset(platforms), dtypes=frozenset(dtypes), **caps
         )
 
         def plan_kernel(self, spec, params, *, fused_rope):
@@ -33,61 +34,89 @@ def make_backend(name, *, platforms=("cpu",), dtypes=(torch.bfloat16,), priority
             return torch.zeros(views.q.shape, dtype=plan.spec.output_dtype)
 
     _Backend.name = name
-    return _Backend()
+    return _Backend
 
 
 @pytest.fixture
 def registry():
-    reg = ab.Registry()
+    reg = ab.deploy.Registry()
+    reg.register_plugin(torch_sdpa, name="torch-sdpa")
     reg.register_plugin(
         StaticPlugin(
-            make_backend(
-                "fast",
-                priority=[abp.PriorityRule("cpu", 50, gqa=True, note="measured")],
-                head_dims=frozenset({64}),
-            ),
-            make_backend("slow", priority=[abp.PriorityRule("cpu", 10)]),
-            make_backend(
-                "gpu-only",
-                platforms=("cuda",),
-                priority=[abp.PriorityRule("cuda", 90, min_sm=90)],
-                min_sm=80,
-                requires=("flashinfer",),
-            ),
+            make_backend("fast", head_dims=frozenset({64})),
+            make_backend("slow"),
+            make_backend("gpu-only", platforms=("cuda",), min_sm=80, requires=("flashinfer",)),
             make_backend("unranked"),
+            ranks=[
+                abp.Rank("fast", before="torch-sdpa", platform="cpu", note="measured"),
+                abp.Rank("slow", after="torch-sdpa"),
+                abp.Rank("gpu-only", before="torch-sdpa", platform="cuda"),
+            ],
         ),
         name="test-plugin",
     )
     return reg
 
 
-def test_priority_picks_highest_fitting(registry):
+def test_plugin_ranks_place_backends_next_to_a_named_one(registry):
     sel = ab.select(SPEC, platform=ab.detect_platform("cpu"), registry=registry)
-    assert sel.name == "fast" and sel.source == "priority"
+    assert sel.name == "fast" and sel.source == "ranking"
     verdicts = {c.name: c.verdict for c in sel.candidates}
     assert verdicts == {
         "fast": "selected",
+        "torch-sdpa": "eligible",
         "slow": "eligible",
         "unranked": "not ranked",
         "gpu-only": "rejected",
     }
+    ranks = {c.name: c.rank for c in sel.candidates}
+    assert (ranks["fast"], ranks["torch-sdpa"], ranks["slow"]) == (1, 2, 3)
     gpu = next(c for c in sel.candidates if c.name == "gpu-only")
     assert {r.code for r in gpu.reasons} == {ab.ReasonCode.PLATFORM, ab.ReasonCode.LIBRARY_MISSING}
     text = sel.explain()
-    assert "selected: fast (by priority)" in text
-    assert "priority 50 [cpu GQA (measured)]" in text
+    assert "selected: fast (by ranking)" in text
+    assert "decided by: plugin rank: fast before torch-sdpa on cpu (measured)" in text
+    assert "ranked by row " in text and "torch-sdpa on cpu" in text
     assert "does not run on cpu" in text
 
 
-def test_rule_conditions_change_the_winner(registry):
-    mha = ab.AttentionSpec(8, 8, 64, torch.bfloat16, causal=True)
-    assert ab.select(mha, platform="cpu", registry=registry).name == "slow"
+def test_a_refused_backend_passes_the_turn_down_the_line(registry):
     d128 = ab.AttentionSpec(8, 2, 128, torch.bfloat16, causal=True)
     sel = ab.select(d128, platform="cpu", registry=registry)
-    assert sel.name == "slow"
+    assert sel.name == "torch-sdpa"
     fast = next(c for c in sel.candidates if c.name == "fast")
     assert [r.code for r in fast.reasons] == [ab.ReasonCode.HEAD_DIM]
     assert fast.reasons[0].got == "128" and fast.reasons[0].allowed == "64"
+    fp16 = ab.AttentionSpec(8, 2, 64, torch.float16, causal=True)
+    reg = ab.deploy.Registry()
+    reg.register_plugin(
+        StaticPlugin(make_backend("fp16-only", dtypes=(torch.float16,)), first_on="cpu"),
+        name="p",
+    )
+    unplaced = ab.select(fp16, platform="cpu", registry=reg, backend="fp16-only")
+    (why,) = next(c for c in unplaced.candidates if c.name == "fp16-only").reasons or (None,)
+    assert why is None, "chosen by name: no reason recorded against the winner"
+    with pytest.raises(ab.NoBackendError, match="placed next to torch-sdpa, which is not in line"):
+        ab.select(fp16, platform="cpu", registry=reg)
+
+
+def test_a_plugin_rank_never_reaches_where_its_anchor_is_not_in_line(registry):
+    """``gpu-only`` placed before torch-sdpa on CUDA is not considered on ROCm, and a rank
+    before a backend no row places for the request gives no place at all."""
+    sel = ab.select(SPEC, platform="rocm:gfx942", registry=registry)
+    gpu = next(c for c in sel.candidates if c.name == "gpu-only")
+    assert gpu.rank is None
+    reg = ab.deploy.Registry()
+    reg.register_plugin(torch_sdpa, name="torch-sdpa")
+    reg.register_plugin(
+        StaticPlugin(make_backend("eager"), ranks=[abp.Rank("eager", before="flashinfer")]),
+        name="vendor",
+    )
+    sel = ab.select(SPEC, platform="cpu", registry=reg)
+    assert sel.name == "torch-sdpa"
+    eager = next(c for c in sel.candidates if c.name == "eager")
+    assert eager.verdict == "not ranked"
+    assert "placed next to flashinfer, which is not in line" in eager.reasons[0].message
 
 
 def test_dry_run_platform_assumes_libraries(registry):
@@ -99,10 +128,10 @@ def test_dry_run_platform_assumes_libraries(registry):
     assert gpu.to_dict()["assumed_libraries"] == ["flashinfer"]
     real = ab.select(SPEC, platform=ab.detect_platform("cpu"), registry=registry)
     assert all(not c.assumed_libraries for c in real.candidates)
-    with pytest.raises(
-        ab.NoBackendError, match=r"gpu-only: \[arch\] .* \(got sm75; allowed sm80 or newer\)"
-    ):
-        ab.select(SPEC, platform="cuda:sm75", registry=registry)
+    old = ab.select(SPEC, platform="cuda:sm75", registry=registry)
+    assert old.name == "torch-sdpa"
+    (arch,) = next(c for c in old.candidates if c.name == "gpu-only").reasons
+    assert arch.code == ab.ReasonCode.ARCH and (arch.got, arch.allowed) == ("sm75", "sm80 or newer")
 
 
 def test_explicit_choice_is_honoured_or_refused_never_swapped(registry):
@@ -111,7 +140,9 @@ def test_explicit_choice_is_honoured_or_refused_never_swapped(registry):
     with pytest.raises(ab.NoBackendError, match="not swapped") as info:
         ab.select(SPEC, platform="cpu", registry=registry, backend="gpu-only")
     assert info.value.reasons[0][0] == "gpu-only"
-    with pytest.raises(ab.NoBackendError, match="known backends: fast, slow, gpu-only, unranked"):
+    with pytest.raises(
+        ab.NoBackendError, match="known backends: torch-sdpa, fast, slow, gpu-only, unranked"
+    ):
         ab.select(SPEC, platform="cpu", registry=registry, backend="nope")
 
 
@@ -128,14 +159,15 @@ def test_environment_choice(registry, monkeypatch):
     assert ab.select(SPEC, platform="cpu", registry=registry, backend="fast").name == "fast"
 
 
-def test_nothing_fits_lists_every_candidate(registry):
+def test_nothing_fits_lists_every_candidate(registry, monkeypatch):
+    monkeypatch.setenv("ATTN_BACKENDS_DISABLE", "torch-sdpa")
     fp16 = ab.AttentionSpec(8, 2, 64, torch.float16, causal=True)
     with pytest.raises(ab.NoBackendError) as info:
         ab.select(fp16, platform="cpu", registry=registry)
     message = str(info.value)
-    for name in ("fast", "slow", "gpu-only", "unranked"):
+    for name in ("torch-sdpa", "fast", "slow", "gpu-only", "unranked"):
         assert f"  - {name}: " in message
-    assert len(info.value.reasons) == 4
+    assert len(info.value.reasons) == 5
 
 
 def test_decisions_are_cached_per_key(registry):
@@ -153,7 +185,10 @@ def test_record_is_json_and_complete(registry):
     assert record["selected"] == "fast"
     assert record["spec"]["rope"] == {"theta": 1e6, "rotary_dim": 64, "interleaved": False}
     assert record["platform"]["kind"] == "cpu"
-    assert {c["name"] for c in record["candidates"]} == {"fast", "slow", "gpu-only", "unranked"}
+    names = {c["name"] for c in record["candidates"]}
+    assert names == {"torch-sdpa", "fast", "slow", "gpu-only", "unranked"}
+    fast = next(c for c in record["candidates"] if c["name"] == "fast")
+    assert fast["rank"] == 1 and fast["ranked_by"].startswith("plugin rank: fast before")
     assert record["details"]["preprocess"] in {"torch", "native", "flashinfer"}
     assert record["plugins"][0]["status"] == "loaded"
 
@@ -187,7 +222,7 @@ def test_parse_platform(text, kind, arch):
 
 @pytest.mark.parametrize("text", ["gpu", "cuda", "cuda:90", "rocm:mi300", "cpu:x86", ""])
 def test_parse_platform_rejects(text):
-    with pytest.raises(ab.PlatformError, match=r"use|needs|must|takes"):
+    with pytest.raises(ab.errors.PlatformError, match=r"use|needs|must|takes"):
         ab.parse_platform(text)
 
 
@@ -215,30 +250,30 @@ def test_fusion_limit_is_per_batch_and_validated():
             dataclasses.replace(caps, **bad)
 
 
-def test_priority_rule_can_match_on_fusable_rope():
-    rule = abp.PriorityRule("cuda", 10, rope_fusable=True)
+def test_ranking_rows_can_hold_on_fusable_rope():
+    row = Row("x", "cuda", "why", rope_fusable=True)
     cuda = ab.Platform(kind="cuda", arch="sm90")
     fusable = ab.AttentionSpec(8, 2, 64, torch.float16, True, rope=ab.RopeSpec(1e4))
-    assert rule.matches(fusable, cuda)
-    assert not rule.matches(dataclasses.replace(fusable, rope=None), cuda)
-    assert not rule.matches(dataclasses.replace(fusable, use_logn_attn=True, logn_base=8), cuda)
-    assert "fusable RoPE" in rule.describe()
+    assert row.holds(fusable, cuda)
+    assert not row.holds(dataclasses.replace(fusable, rope=None), cuda)
+    assert not row.holds(dataclasses.replace(fusable, use_logn_attn=True, logn_base=8), cuda)
+    assert "fusable RoPE" in row.condition()
 
 
-def test_priority_rule_can_match_on_windows_and_alibi():
-    masked = abp.PriorityRule("cuda", 50, masked=True)
-    plain = abp.PriorityRule("cuda", 50, masked=False)
+def test_ranking_rows_can_hold_on_windows_and_alibi():
+    masked = Row("x", "cuda", "why", masked=True)
+    plain = Row("x", "cuda", "why", masked=False)
     cuda = ab.Platform(kind="cuda", arch="sm90")
     spec = ab.AttentionSpec(8, 2, 64, torch.float16, False)
     for feature in ({"window": ab.SlidingWindow(4, 4)}, {"alibi": ab.AlibiSpec()}):
         featured = dataclasses.replace(spec, **feature)
-        assert masked.matches(featured, cuda) and not plain.matches(featured, cuda)
+        assert masked.holds(featured, cuda) and not plain.holds(featured, cuda)
     capped = dataclasses.replace(spec, logit_softcap=30.0)
-    assert plain.matches(capped, cuda) and not masked.matches(capped, cuda), (
+    assert plain.holds(capped, cuda) and not masked.holds(capped, cuda), (
         "a soft-cap neither restricts nor biases by position"
     )
-    assert "window or ALiBi" in masked.describe()
-    assert "no window, no ALiBi" in plain.describe()
+    assert "window or ALiBi" in masked.condition()
+    assert "no window, no ALiBi" in plain.condition()
 
 
 @pytest.mark.parametrize(
@@ -257,7 +292,7 @@ def test_priority_rule_can_match_on_windows_and_alibi():
 )
 def test_flags_must_be_real_bools(registry, flag, value):
     with pytest.raises(
-        ab.InvalidArgumentError, match=rf"select\({flag}=\.\.\.\) takes True"
+        ab.errors.InvalidArgumentError, match=rf"select\({flag}=\.\.\.\) takes True"
     ) as info:
         ab.select(SPEC, platform="cpu", registry=registry, **{flag: value})
     assert isinstance(info.value, TypeError)
@@ -271,14 +306,14 @@ def test_none_is_accepted_where_the_signature_allows_it(registry):
 
 
 def test_registry_argument_must_be_a_registry():
-    with pytest.raises(ab.InvalidArgumentError, match="takes a Registry or None, got dict"):
+    with pytest.raises(ab.errors.InvalidArgumentError, match="takes a Registry or None, got dict"):
         ab.select(SPEC, platform="cpu", registry={})  # type: ignore[arg-type]
 
 
 def test_selection_cache_is_a_bounded_lru(registry, monkeypatch):
     assert _selector.SELECTION_CACHE_SIZE == 256
     monkeypatch.setattr(_selector, "SELECTION_CACHE_SIZE", 4)
-    ab.clear_selection_cache()
+    ab.deploy.clear_selection_cache()
     specs = [ab.AttentionSpec(8, 2, d, torch.bfloat16, causal=True) for d in (16, 32, 48, 64, 80)]
     first = [ab.select(s, platform="cpu", registry=registry) for s in specs[:4]]
     assert ab.select(specs[0], platform="cpu", registry=registry) is first[0]  # now most recent
@@ -324,11 +359,15 @@ def test_a_select_request_is_checked_normalised_and_hashable(registry):
 @pytest.mark.parametrize(
     ("fields", "error", "match"),
     [
-        ({"cuda_graph": "yes"}, ab.InvalidArgumentError, r"select\(cuda_graph=\.\.\.\) takes True"),
-        ({"has_kv_cache": 0}, ab.InvalidArgumentError, r"select\(has_kv_cache=\.\.\.\)"),
-        ({"platform": "gpu"}, ab.PlatformError, "cannot parse platform 'gpu'"),
-        ({"platform": 90}, ab.PlatformError, "platform must be a Platform"),
-        ({"device": "tpu"}, ab.PlatformError, "device 'tpu'"),
+        (
+            {"cuda_graph": "yes"},
+            ab.errors.InvalidArgumentError,
+            r"select\(cuda_graph=\.\.\.\) takes True",
+        ),
+        ({"has_kv_cache": 0}, ab.errors.InvalidArgumentError, r"select\(has_kv_cache=\.\.\.\)"),
+        ({"platform": "gpu"}, ab.errors.PlatformError, "cannot parse platform 'gpu'"),
+        ({"platform": 90}, ab.errors.PlatformError, "platform must be a Platform"),
+        ({"device": "tpu"}, ab.errors.PlatformError, "device 'tpu'"),
         ({"backend": 3}, ab.NoBackendError, r"backend= must be a backend name \(str\)"),
     ],
 )
@@ -338,13 +377,16 @@ def test_a_bad_select_request_is_refused_when_built(fields, error, match):
 
 
 def test_select_request_takes_only_a_select_request():
-    with pytest.raises(ab.InvalidArgumentError, match="takes a SelectRequest, got AttentionSpec"):
+    with pytest.raises(
+        ab.errors.InvalidArgumentError, match="takes a SelectRequest, got AttentionSpec"
+    ):
         ab.select_request(SPEC)  # type: ignore[arg-type]
     with pytest.raises(ab.SpecError, match="takes an AttentionSpec, got str"):
         ab.SelectRequest("qwen3")  # type: ignore[arg-type]
 
 
-def test_a_failed_selection_carries_its_decision_record(registry):
+def test_a_failed_selection_carries_its_decision_record(registry, monkeypatch):
+    monkeypatch.setenv("ATTN_BACKENDS_DISABLE", "torch-sdpa")
     fp16 = ab.AttentionSpec(8, 2, 64, torch.float16, causal=True)
     with pytest.raises(ab.NoBackendError) as info:
         ab.select(fp16, platform="cpu", registry=registry)
@@ -354,7 +396,7 @@ def test_a_failed_selection_carries_its_decision_record(registry):
     assert record["selected"] is None and record["spec"]["dtype"] == "float16"
     assert record["error"]["type"] == "NoBackendError"
     by_name = {c["name"]: c for c in record["candidates"]}
-    assert set(by_name) == {"fast", "slow", "gpu-only", "unranked"}
+    assert set(by_name) == {"torch-sdpa", "fast", "slow", "gpu-only", "unranked"}
     assert by_name["fast"]["verdict"] == "rejected"
     assert by_name["fast"]["reasons"][0]["code"] == "dtype"
 
@@ -363,7 +405,7 @@ def test_with_no_backend_registered_the_error_says_which_plugins_did_not_load_an
     monkeypatch,
 ):
     monkeypatch.setenv("ATTN_BACKENDS_PLUGINS", "none")
-    reg = ab.Registry()
+    reg = ab.deploy.Registry()
     reg.load_entry_points()
     assert reg.entries() == [] and reg.records()
     with pytest.raises(ab.NoBackendError) as info:

@@ -30,7 +30,7 @@ from sentence_transformers.sentence_transformer.modules import Normalize, Poolin
 from tokenizers import Tokenizer, models, pre_tokenizers, processors  # noqa: E402
 from transformers import AttentionInterface, PreTrainedTokenizerFast  # noqa: E402
 
-from attn_backends import IntegrationError  # noqa: E402
+from attn_backends.errors import IntegrationError  # noqa: E402
 from attn_backends.integrations import _hf_mask  # noqa: E402
 from attn_backends.integrations import sentence_transformers as abst  # noqa: E402
 from attn_backends.integrations import transformers as abt  # noqa: E402

@@ -11,6 +11,8 @@ import torch
 from attn_backends_builtin.torch_sdpa import TorchSdpaBackend
 
 import attn_backends as ab
+import attn_backends.errors
+import attn_backends.reference
 
 SPEC = ab.AttentionSpec(
     4,
@@ -55,10 +57,10 @@ def test_separate_tensors_match_the_packed_reference_without_a_copy(three_d):
     packed, q, k, v = tensors()
     if three_d:
         q, k, v = q.view(ROWS, 4, 16), k.view(ROWS, 2, 16), v.view(ROWS, 2, 16)
-    backend = _Probe(SPEC)
+    backend = _Probe.bind(SPEC)
     out = backend.forward((q, k, v), backend.prepare(params()))
     ref = ab.reference_attention(packed, SPEC, params())
-    assert ab.relative_error(out, ref) < ab.TOLERANCE[torch.float32]
+    assert ab.reference.relative_error(out, ref) < ab.reference.TOLERANCE[torch.float32]
     seen_q, seen_k, seen_v = _Probe.seen[-1]
     for got, given in ((seen_q, q), (seen_k, k), (seen_v, v)):
         assert got.data_ptr() == given.data_ptr(), "views of the caller's tensors, no copy"
@@ -75,9 +77,9 @@ def test_strided_separate_tensors_are_served():
     wide = torch.zeros(ROWS, SPEC.q_width + 24)
     wide[:, 8 : 8 + SPEC.q_width] = q
     q_view = wide[:, 8 : 8 + SPEC.q_width]  # rows strided: a column slice of a wider buffer
-    backend = TorchSdpaBackend(SPEC)
+    backend = TorchSdpaBackend.bind(SPEC)
     out = backend.forward((q_view, k, v), backend.prepare(params()))
-    assert ab.relative_error(out, ab.reference_attention(packed, SPEC, params())) < 1e-4
+    assert ab.reference.relative_error(out, ab.reference_attention(packed, SPEC, params())) < 1e-4
     assert torch.equal(wide[:, :8], torch.zeros(ROWS, 8)), "columns beside q untouched"
 
 
@@ -117,8 +119,8 @@ def _bad(name):
 def test_every_mismatch_is_named_and_nothing_is_written(name):
     given, match = _bad(name)
     before = [t.clone() for t in given if isinstance(t, torch.Tensor) and t.device.type == "cpu"]
-    backend = TorchSdpaBackend(SPEC)
-    with pytest.raises(ab.PackedQKVError, match=match):
+    backend = TorchSdpaBackend.bind(SPEC)
+    with pytest.raises(ab.errors.PackedQKVError, match=match):
         backend.forward(given, backend.prepare(params()))
     after = [t for t in given if isinstance(t, torch.Tensor) and t.device.type == "cpu"]
     assert all(torch.equal(a, b) for a, b in zip(after, before, strict=True))
@@ -132,8 +134,8 @@ def test_a_kernel_failure_after_the_pass_says_q_and_k_were_modified():
             raise RuntimeError("kernel fault")
 
     _, q, k, v = tensors()
-    backend = Failing(SPEC)
-    with pytest.raises(ab.BackendFailure, match="kernel fault") as info:
+    backend = Failing.bind(SPEC)
+    with pytest.raises(ab.errors.BackendFailure, match="kernel fault") as info:
         backend.forward((q, k, v), backend.prepare(params()))
     assert info.value.modified is not None and "rows [0, 9) of q and k" in info.value.modified
 
@@ -149,9 +151,9 @@ def test_a_backend_reading_packed_rows_gets_one_copy():
 
     packed, q, k, v = tensors(2)
     spec = ab.AttentionSpec(4, 2, 16, torch.float32, causal=False)
-    backend = Packed(spec)
+    backend = Packed.bind(spec)
     out = backend.forward((q, k, v), backend.prepare(params()))
-    assert ab.relative_error(out, ab.reference_attention(packed, spec, params())) < 1e-4
+    assert ab.reference.relative_error(out, ab.reference_attention(packed, spec, params())) < 1e-4
     assert torch.equal(Packed.rows[-1], packed[:9])
 
 
@@ -173,7 +175,7 @@ def test_graph_mode_takes_the_packed_buffer_only():
         plan.update(ab.FMHAParams.from_lengths((5, 9), device="cpu", padded_rows=64))
         q = torch.randn(64, 256).bfloat16()
         k, v = torch.randn(64, 128).bfloat16(), torch.randn(64, 128).bfloat16()
-        with pytest.raises(ab.PackedQKVError, match=r"separate .* with a graph plan"):
+        with pytest.raises(ab.errors.PackedQKVError, match=r"separate .* with a graph plan"):
             backend.forward((q, k, v), plan)
     finally:
         mp.undo()
@@ -187,7 +189,7 @@ def test_a_wrong_output_after_the_pass_says_q_and_k_were_modified():
             return torch.zeros(1, 1, 1)
 
     _, q, k, v = tensors()
-    backend = WrongShape(SPEC)
-    with pytest.raises(ab.BackendFailure, match="wrong-shape returned") as info:
+    backend = WrongShape.bind(SPEC)
+    with pytest.raises(ab.errors.BackendFailure, match="wrong-shape returned") as info:
         backend.forward((q, k, v), backend.prepare(params()))
     assert info.value.modified is not None and "of q and k" in info.value.modified

@@ -9,6 +9,8 @@ import pytest
 import torch
 
 import attn_backends as ab
+import attn_backends.errors
+import attn_backends.reference
 
 
 def _spec(**kw: object) -> ab.AttentionSpec:
@@ -63,9 +65,9 @@ def test_reference_sinks_of_minus_infinity_are_no_sinks():
 def test_reference_takes_sinks_exactly_with_the_flag():
     spec = _spec()
     params, qkv, sinks = _batch(spec, (3,))
-    with pytest.raises(ab.InvalidArgumentError, match="attention_sinks"):
+    with pytest.raises(ab.errors.InvalidArgumentError, match="attention_sinks"):
         ab.reference_attention(qkv, spec, params)
-    with pytest.raises(ab.InvalidArgumentError, match="attention_sinks"):
+    with pytest.raises(ab.errors.InvalidArgumentError, match="attention_sinks"):
         ab.reference_attention(qkv, _spec(attention_sinks=False), params, sinks=sinks)
 
 
@@ -87,7 +89,7 @@ def test_forward_checks_the_logits_before_writing(sinks, match):
     sel = ab.select(spec, device="cpu")
     plan = sel.backend.prepare(params)
     before = qkv.clone()
-    with pytest.raises(ab.PackedQKVError, match=match):
+    with pytest.raises(ab.errors.PackedQKVError, match=match):
         sel.backend.forward(qkv, plan, sinks=sinks)
     assert torch.equal(qkv, before)
 
@@ -96,7 +98,7 @@ def test_forward_refuses_sinks_for_a_spec_without_them():
     spec = _spec(attention_sinks=False)
     params, qkv, sinks = _batch(spec, (4,))
     sel = ab.select(spec, device="cpu")
-    with pytest.raises(ab.PackedQKVError, match="without attention sinks"):
+    with pytest.raises(ab.errors.PackedQKVError, match="without attention sinks"):
         sel.backend.forward(qkv, sel.backend.prepare(params), sinks=sinks)
 
 
@@ -114,7 +116,7 @@ def test_torch_sdpa_serves_sinks_on_strided_input(dtype, causal):
     sinks = sinks.to(dtype)
     out = sel.backend.forward(view, sel.backend.prepare(params), sinks=sinks)
     ref = ab.reference_attention(qkv, spec, params, sinks=sinks)
-    assert ab.relative_error(out, ref) < ab.TOLERANCE[dtype] / 4
+    assert ab.reference.relative_error(out, ref) < ab.reference.TOLERANCE[dtype] / 4
 
 
 def test_a_backend_without_sinks_refuses_them_with_the_code():

@@ -8,6 +8,7 @@ import pytest
 import torch
 
 import attn_backends as ab
+import attn_backends.errors
 
 
 def spec(**kw):
@@ -120,5 +121,5 @@ def test_params_accept_tensor_lengths_and_zero_prefix():
 )
 def test_params_reject(lengths, kw, match):
     kw.setdefault("device", "cpu")
-    with pytest.raises(ab.ParamsError, match=match):
+    with pytest.raises(ab.errors.ParamsError, match=match):
         ab.FMHAParams.from_lengths(lengths, **kw)

@@ -22,6 +22,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 import attn_backends as ab
+import attn_backends.integrations as abi
 from attn_backends._backend import _reference
 from attn_backends._backend._reference import TOLERANCE, reference_attention, relative_error
 from attn_backends._model._fingerprint import canonical_json
@@ -107,7 +108,7 @@ def test_a_share_of_zero_rotates_nothing_as_in_transformers():
     inv_freq, _ = phi.PhiRotaryEmbedding.compute_default_rope_parameters(config)
     assert inv_freq.numel() == 0
     assert phi.PhiAttention(config, layer_idx=0).rotary_ndims == 0
-    rope = ab.rope_spec_from_hf_config(config)
+    rope = abi.rope_spec_from_hf_config(config)
     assert rope.rotary_dim == 0
     spec = spec_of(rope)
     assert spec.rope is None and spec == spec_of(None) and spec.rotary_dim == 0
@@ -126,7 +127,7 @@ def test_a_proportional_share_of_zero_rotates_nothing_as_in_transformers():
     )
     inv_freq, factor = rope_utils.ROPE_INIT_FUNCTIONS["proportional"](config, "cpu")
     assert factor == 1.0 and inv_freq.abs().max().item() == 0.0  # every pair stands still
-    rope = ab.rope_spec_from_hf(params, head_dim=64)
+    rope = abi.rope_spec_from_hf(params, head_dim=64)
     assert rope.scaling == ab.RopeScaling("proportional", partial_rotary_factor=0.0)
     assert spec_of(rope).rope is None
     # A share too small for one pair of this head turns nothing either (int(0.02 * 64 // 2)).
@@ -152,7 +153,7 @@ def test_plain_scaling_and_no_scaling_compare_hash_and_fingerprint_alike():
     assert rank_fingerprint(first) == rank_fingerprint(second)
     # From a config: transformers' multimodal alias and an explicit default are plain too.
     for params in ({"rope_type": "default"}, {"rope_type": "mrope", "mrope_section": [8, 12, 12]}):
-        assert ab.rope_spec_from_hf(params, head_dim=64) == ab.RopeSpec(1e4)
+        assert abi.rope_spec_from_hf(params, head_dim=64) == ab.RopeSpec(1e4)
 
 
 # ---------------------------------------------------------------- refused when built (8)
@@ -248,25 +249,25 @@ def test_numbers_out_of_range_are_spec_errors(build, match):
 def test_from_hf_refuses_values_of_the_wrong_kind_with_spec_errors(params, extra, match):
     kw: dict[str, Any] = {"head_dim": 64, "max_position_embeddings": 32768, **extra}
     with pytest.raises(ab.SpecError, match=match):
-        ab.rope_spec_from_hf(params, **kw)
+        abi.rope_spec_from_hf(params, **kw)
 
 
 def test_from_hf_reads_the_dicts_values_first_and_zero_is_a_value():
     """The dict's values win over the config's top-level ones, as transformers merges them; a
     0 in the dict is kept rather than replaced by the top-level value or the default."""
-    rope = ab.rope_spec_from_hf(
+    rope = abi.rope_spec_from_hf(
         {"rope_theta": 5e5, "partial_rotary_factor": 0.5},
         head_dim=64,
         rope_theta=1e6,
         partial_rotary_factor=0.25,
     )
     assert rope == ab.RopeSpec(5e5, rotary_dim=32)
-    top = ab.rope_spec_from_hf(
+    top = abi.rope_spec_from_hf(
         {"rope_type": "proportional"}, head_dim=64, partial_rotary_factor=0.5
     )
     assert top.scaling == ab.RopeScaling("proportional", partial_rotary_factor=0.5)
     with pytest.raises(ab.SpecError, match=r"RopeSpec\.theta"):
-        ab.rope_spec_from_hf({"rope_theta": 0}, head_dim=64, rope_theta=1e6)
+        abi.rope_spec_from_hf({"rope_theta": 0}, head_dim=64, rope_theta=1e6)
 
 
 def _deep(levels: int) -> str:
@@ -349,7 +350,7 @@ def test_the_spec_module_imports_nothing_from_the_hf_reader():
         }
         assert "_rope_hf" not in imported and "attn_backends._model._rope_hf" not in imported
     assert "from_hf_config" not in vars(ab.RopeSpec)
-    assert "rope_spec_from_hf_config" in ab.__all__
+    assert "rope_spec_from_hf_config" in abi.__all__
 
 
 # ---------------------------------------------------------------- fuzz over the numbers
@@ -445,7 +446,7 @@ READS: dict[str, tuple[str, ...]] = {
 def rope_case(draw: st.DrawFn) -> dict[str, Any]:
     """Fields of a RopeScaling (or None), a RopeSpec and an AttentionSpec, each drawn from its
     accepted range; then, in about half the cases, one of them replaced by anything at all."""
-    kind = draw(st.sampled_from([None, *ab.ROPE_TYPES]))
+    kind = draw(st.sampled_from([None, *abi.ROPE_TYPES]))
     rotary = draw(st.sampled_from([None, 2, 4, 8]))
     case: dict[str, Any] = {
         "theta": draw(ACCEPTED["theta"]),

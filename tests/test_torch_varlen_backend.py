@@ -26,6 +26,7 @@ from attn_backends_builtin.torch_varlen import (
 
 import attn_backends as ab
 import attn_backends.plugin as abp
+from attn_backends.deploy import Registry, clear_selection_cache, get_registry
 from attn_backends.testing import NoCachePrefillConformance
 from tests.backend_support import (
     check_numbers,
@@ -44,7 +45,7 @@ CAPS = TorchVarlenBackend.capabilities
 
 
 def codes(spec: ab.AttentionSpec, platform: ab.Platform | str = "cuda:sm90") -> set[ab.ReasonCode]:
-    return reason_codes(TorchVarlenBackend(), spec, platform)
+    return reason_codes(TorchVarlenBackend, spec, platform)
 
 
 CURRENT = probe_signature(SIGNATURES["2.13"])
@@ -54,9 +55,9 @@ TORCH_2_11 = probe_signature(SIGNATURES["2.11"])
 @pytest.fixture(autouse=True)
 def _fresh_decisions():
     """Decisions are cached by request; tests here change what the probe answers."""
-    ab.clear_selection_cache()
+    clear_selection_cache()
     yield
-    ab.clear_selection_cache()
+    clear_selection_cache()
 
 
 def use_fake(
@@ -73,7 +74,7 @@ def use_fake(
 
 
 def test_torch_varlen_is_registered():
-    registry = ab.get_registry()
+    registry = get_registry()
     record = next(r for r in registry.records() if r.name == "torch-varlen")
     assert record.status == "loaded" and record.backends == ("torch-varlen",), record
     entry = registry.get("torch-varlen")
@@ -324,19 +325,20 @@ SERVED = [
 @pytest.mark.parametrize("spec", SERVED)
 def test_ranks_above_sdpa_and_flex_below_flashinfer(spec, platform):
     sel = ab.select(spec, platform=platform)
-    rank = {c.name: c.priority for c in sel.candidates if c.verdict in ("selected", "eligible")}
+    # ranks are places in line (1: tried first)
+    rank = {c.name: c.rank for c in sel.candidates if c.verdict in ("selected", "eligible")}
     ours = rank["torch-varlen"]
     assert ours is not None
-    for lower in ("torch-sdpa", "flex"):
-        other = rank[lower]
-        assert other is not None and other < ours, (lower, other, ours)
-    for higher in ("flashinfer", "flashinfer-rope"):
-        other = rank.get(higher)
-        assert other is None or other > ours, (higher, other, ours)
+    for later in ("torch-sdpa", "flex"):
+        other = rank[later]
+        assert other is not None and other > ours, (later, other, ours)
+    for earlier in ("flashinfer", "flashinfer-rope"):
+        other = rank.get(earlier)
+        assert other is None or other < ours, (earlier, other, ours)
 
 
 @pytest.fixture(scope="module")
-def registry() -> ab.Registry:
+def registry() -> Registry:
     """torch-varlen and the built-in backends it is ranked against."""
     return registry_of(
         {
@@ -388,7 +390,7 @@ def test_winner(registry, spec, winner, platform):
 def test_views_go_to_the_kernel_and_match_the_reference(monkeypatch, release, spec, lengths):
     signature = probe_signature(SIGNATURES[release])
     fake = use_fake(monkeypatch, release, signature)
-    backend = TorchVarlenBackend().bind(spec, SM90)
+    backend = TorchVarlenBackend.bind(spec, SM90)
     params, qkv = packed_input(spec, lengths, extra=8)
     plan = backend.prepare(params)
     kernel = plan.kernel
@@ -419,7 +421,7 @@ def test_views_go_to_the_kernel_and_match_the_reference(monkeypatch, release, sp
 
 def test_offsets_are_the_params_own_without_empty_sequences(monkeypatch):
     use_fake(monkeypatch)
-    backend = TorchVarlenBackend().bind(spec_of(), SM90)
+    backend = TorchVarlenBackend.bind(spec_of(), SM90)
     params, _ = packed_input(spec_of(), (5, 17, 1))
     kernel = backend.prepare(params).kernel
     assert isinstance(kernel, VarlenPlan) and kernel.cu_seqlens is params.cu_seqlens_q
@@ -428,7 +430,7 @@ def test_offsets_are_the_params_own_without_empty_sequences(monkeypatch):
 def test_separate_qkv_input(monkeypatch):
     use_fake(monkeypatch)
     spec = spec_of(rope=ab.RopeSpec(1e4))
-    backend = TorchVarlenBackend().bind(spec, SM90)
+    backend = TorchVarlenBackend.bind(spec, SM90)
     params, qkv = packed_input(spec, LENGTHS, pad=0)
     pristine = qkv.clone()
     q_w, kv_w = spec.q_width, spec.num_kv_heads * spec.head_dim
@@ -439,7 +441,7 @@ def test_separate_qkv_input(monkeypatch):
 def test_misaligned_rows_are_handed_over_as_an_aligned_copy(monkeypatch):
     fake = use_fake(monkeypatch)
     spec = spec_of(dim=64)
-    backend = TorchVarlenBackend().bind(spec, SM90)
+    backend = TorchVarlenBackend.bind(spec, SM90)
     params, qkv = packed_input(spec, (7, 3), pad=0)
     storage = torch.empty(qkv.numel() + 1, dtype=spec.dtype)
     odd = storage[1:].view(qkv.shape)  # base pointer 2 bytes past an aligned one

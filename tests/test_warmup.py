@@ -13,6 +13,8 @@ from attn_backends_builtin import flashinfer as flashinfer_plugin
 from attn_backends_builtin.flashinfer import FlashinferRopeBackend
 
 import attn_backends as ab
+import attn_backends.deploy
+import attn_backends.errors
 import attn_backends.plugin as abp
 from attn_backends._select import _warmup
 from attn_backends.cli import main
@@ -32,7 +34,9 @@ def fake(monkeypatch) -> FakeFlashinfer:
 
 def test_every_per_batch_path_runs_once(fake):
     lines: list[str] = []
-    report = ab.warmup(["bge-m3", "short"], device="cpu", progress=lines.append, platform=SM90)
+    report = ab.deploy.warmup(
+        ["bge-m3", "short"], device="cpu", progress=lines.append, platform=SM90
+    )
     limit = FlashinferRopeBackend.capabilities.fused_rope_max_seqlen
     assert limit is not None
     by_batch = {(s.spec, s.lengths): s for s in report.steps}
@@ -53,20 +57,20 @@ def test_every_per_batch_path_runs_once(fake):
     assert lines[0] == "kernel modules: 3 (0 built, 0 to build, 3 unknown)", (
         "the fake has no JIT cache to ask: unknown, not claimed built"
     )
-    again = ab.warmup("short", device="cpu", platform=SM90)
+    again = ab.deploy.warmup("short", device="cpu", platform=SM90)
     assert [s.lengths for s in again.steps] == [(8, 3), (limit + 1, 2)]
 
 
 @pytest.mark.parametrize("bad", [[], ["no-such-model"], [42]])
 def test_bad_requests_are_named(bad):
-    with pytest.raises(ab.ParamsError):
-        ab.warmup(bad, device="cpu")
+    with pytest.raises(ab.errors.ParamsError):
+        ab.deploy.warmup(bad, device="cpu")
 
 
 def test_an_unservable_spec_raises_the_selection_error():
     fp8_rope = ab.AttentionSpec(4, 4, 64, torch.float8_e4m3fn, causal=True, rope=ab.RopeSpec(1e4))
     with pytest.raises(ab.NoBackendError):
-        ab.warmup(fp8_rope, device="cpu")
+        ab.deploy.warmup(fp8_rope, device="cpu")
 
 
 def _module(
@@ -107,7 +111,7 @@ def test_a_long_step_reports_progress_while_it_runs(monkeypatch):
 
     monkeypatch.setattr(_warmup, "_run", slow)
     lines: list[str] = []
-    ab.warmup("bge-m3", device="cpu", progress=lines.append, tick_seconds=0.05)
+    ab.deploy.warmup("bge-m3", device="cpu", progress=lines.append, tick_seconds=0.05)
     bars = [line for line in lines if line.startswith("[") and "steps done" in line]
     assert bars, f"no progress line while the step ran: {lines}"
     assert bars[0].endswith("0/1 steps done")
@@ -149,14 +153,14 @@ def test_a_failing_step_is_raised_after_the_others_finish(monkeypatch):
 
     def flaky(name, *args, **kwargs):
         if name == "short":
-            raise ab.BackendFailure("short: kernel build failed")
+            raise ab.errors.BackendFailure("short: kernel build failed")
         time.sleep(0.05)
         return real(name, *args, **kwargs)
 
     monkeypatch.setattr(_warmup, "_run", flaky)
     lines: list[str] = []
-    with pytest.raises(ab.BackendFailure, match="short: kernel build failed"):
-        ab.warmup(["bge-m3", "short"], device="cpu", progress=lines.append)
+    with pytest.raises(ab.errors.BackendFailure, match="short: kernel build failed"):
+        ab.deploy.warmup(["bge-m3", "short"], device="cpu", progress=lines.append)
     assert any(line.startswith("[1/2] bge-m3: torch-sdpa") for line in lines), lines
 
 
@@ -165,14 +169,14 @@ def test_a_failing_step_is_raised_after_the_others_finish(monkeypatch):
     [("max_workers", "4"), ("max_workers", 0), ("max_workers", True), ("tick_seconds", 0)],
 )
 def test_bad_options_are_named_errors(option, value):
-    with pytest.raises(ab.InvalidArgumentError, match=rf"warmup\({option}=\.\.\.\)"):
-        ab.warmup("bge-m3", device="cpu", **{option: value})
+    with pytest.raises(ab.errors.InvalidArgumentError, match=rf"warmup\({option}=\.\.\.\)"):
+        ab.deploy.warmup("bge-m3", device="cpu", **{option: value})
 
 
 def test_a_whole_request_is_warmed_up_as_asked():
     fp32 = ab.AttentionSpec(4, 4, 64, torch.float32, causal=True)
-    report = ab.warmup(ab.SelectRequest(fp32, backend="flex"), device="cpu")
+    report = ab.deploy.warmup(ab.SelectRequest(fp32, backend="flex"), device="cpu")
     assert {step.backend for step in report.steps} == {"flex"}
     assert report.device == "cpu"
     with pytest.raises(ab.NoBackendError, match="cuda_graph"):
-        ab.warmup(ab.SelectRequest(fp32, cuda_graph=True), device="cpu")
+        ab.deploy.warmup(ab.SelectRequest(fp32, cuda_graph=True), device="cpu")

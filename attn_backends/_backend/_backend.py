@@ -6,13 +6,16 @@ runs the generic capability checks, the contract, RoPE/logn and output shaping, 
 cannot forget any of them. A backend that declares ``capabilities.cuda_graph`` also writes
 ``plan_graph_kernel`` and ``replan_graph_kernel`` for graph mode (`prepare_graph`).
 
-Binding a backend to a spec (`PrefillBackend.bind`) is the one decision: it runs ``supports``
-for the platform and refuses with the reasons, then resolves once everything that depends only
-on the spec and the platform (the RoPE/logn pass as an object, the input layout, a backend's
-kernel variant) into a frozen `Binding`. ``prepare``, ``describe`` and the per-layer path
-(`ForwardPath`, built at the same time) read it; nothing is decided again per batch or layer.
+A plugin registers the class; every instance is bound to one spec. What the class declares
+(``name``, ``capabilities``) and judges (``supports``, a classmethod) needs no instance, so the
+selector judges classes and constructs only the one it picked: one check per decision.
+`PrefillBackend.bind` is the checked constructor for callers that pick a backend themselves;
+the constructor resolves once everything that depends only on the spec and the platform (the
+RoPE/logn pass as an object, the input layout, a backend's kernel variant) into a frozen
+`Binding`. ``prepare``, ``describe`` and the per-layer path (`ForwardPath`, built at the same
+time) read it; nothing is decided again per batch or layer.
 
-A bound backend holds no per-batch state: everything a batch needs lives in its plan, so plans
+An instance holds no per-batch state: everything a batch needs lives in its plan, so plans
 prepared by any caller, in any order, never disturb each other.
 """
 
@@ -20,7 +23,7 @@ from __future__ import annotations
 
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
-from typing import ClassVar, cast
+from typing import ClassVar, TypeVar, cast
 
 import torch
 
@@ -31,7 +34,6 @@ from .._model._errors import (
     GraphModeError,
     NoBackendError,
     ParamsError,
-    UnboundBackendError,
 )
 from .._model._params import FMHAParams
 from .._model._platform import Platform, detect_platform
@@ -122,31 +124,20 @@ class Binding:
         return details
 
 
+B = TypeVar("B", bound="PrefillBackend")
+
+
 class PrefillBackend(ABC):
-    """Base class implementing `NoCachePrefill` around a kernel."""
+    """Base class implementing `NoCachePrefill` around a kernel; an instance is one binding."""
 
     name: ClassVar[str]
     capabilities: ClassVar[Capabilities]
 
-    def __init__(self, spec: AttentionSpec | None = None, platform: Platform | None = None) -> None:
-        """Unbound without ``spec`` (the registered instance); bound to ``spec`` otherwise, as
-        `bind` does: checked for ``platform`` (default: this machine) and decided once."""
+    def __init__(self, spec: AttentionSpec, platform: Platform) -> None:
+        """Bound to ``spec`` on ``platform``, decided once. The selector constructs the class
+        it judged (``supports`` was empty); `bind` is the checked way to construct one."""
         self._spec = spec
-        self._binding: Binding | None = None
         self._elsewhere: dict[Platform, Binding] = {}
-        self._forward: ForwardPath | None = None
-        if spec is None:
-            return
-        if platform is None:
-            platform = detect_platform(extra_libraries=self.capabilities.requires)
-        reasons = self.supports(spec, platform)
-        if reasons:
-            raise NoBackendError(
-                f"{self.name} cannot serve this spec on {platform}: "
-                + "; ".join(map(str, reasons))
-                + "; use attn_backends.select(spec) to pick a backend that can",
-                [(self.name, reasons)],
-            )
         binding = self._decide(spec, platform)
         self._binding = binding
         # attend() is typed for PrefillPlan; graph plans reach it only for backends that
@@ -154,23 +145,35 @@ class PrefillBackend(ABC):
         self._forward = ForwardPath(self.name, spec, binding.layout, cast(Kernel, self))
 
     @property
-    def spec(self) -> AttentionSpec | None:
+    def spec(self) -> AttentionSpec:
         return self._spec
 
-    def supports(self, spec: AttentionSpec, platform: Platform) -> list[Reason]:
-        return check_capabilities(self.capabilities, spec, platform) + self.extra_reasons(
+    @classmethod
+    def supports(cls, spec: AttentionSpec, platform: Platform) -> list[Reason]:
+        return check_capabilities(cls.capabilities, spec, platform) + cls.extra_reasons(
             spec, platform
         )
 
-    def extra_reasons(self, spec: AttentionSpec, platform: Platform) -> list[Reason]:
+    @classmethod
+    def extra_reasons(cls, spec: AttentionSpec, platform: Platform) -> list[Reason]:
         """Backend-specific refusals beyond the declared capabilities."""
         return []
 
-    def bind(self, spec: AttentionSpec, platform: Platform | None = None) -> PrefillBackend:
-        """A new instance bound to ``spec``: `NoBackendError` with the reasons when
-        ``supports`` refuses it on ``platform`` (default: this machine's accelerator, else the
-        CPU); otherwise everything the spec decides is resolved once (`binding`)."""
-        return type(self)(spec, platform)
+    @classmethod
+    def bind(cls: type[B], spec: AttentionSpec, platform: Platform | None = None) -> B:
+        """An instance bound to ``spec``: `NoBackendError` with the reasons when ``supports``
+        refuses it on ``platform`` (default: this machine's accelerator, else the CPU)."""
+        if platform is None:
+            platform = detect_platform(extra_libraries=cls.capabilities.requires)
+        reasons = cls.supports(spec, platform)
+        if reasons:
+            raise NoBackendError(
+                f"{cls.name} cannot serve this spec on {platform}: "
+                + "; ".join(map(str, reasons))
+                + "; use attn_backends.select(spec) to pick a backend that can",
+                [(cls.name, reasons)],
+            )
+        return cls(spec, platform)
 
     # The decision ---------------------------------------------------------------------------
 
@@ -195,11 +198,8 @@ class PrefillBackend(ABC):
 
     @property
     def binding(self) -> Binding:
-        """The decision made when this instance was bound (raises when unbound)."""
-        binding = self._binding
-        if binding is None:
-            raise self._unbound()
-        return binding
+        """The decision made when this instance was bound."""
+        return self._binding
 
     def binding_on(self, platform: Platform) -> Binding:
         """The decision for ``platform``: the bound one for the platform it was bound for
@@ -226,19 +226,8 @@ class PrefillBackend(ABC):
     def describe(self, platform: Platform) -> dict[str, str]:
         return self.binding_on(platform).details()
 
-    def bound_spec(self) -> AttentionSpec:
-        if self._spec is None:
-            raise self._unbound()
-        return self._spec
-
-    def _unbound(self) -> UnboundBackendError:
-        return UnboundBackendError(
-            f"{self.name} is not bound to a spec; use attn_backends.select(spec) or "
-            "backend.bind(spec) first"
-        )
-
     def prepare(self, params: FMHAParams) -> PrefillPlan:
-        spec = self.bound_spec()
+        spec = self._spec
         if not isinstance(params, FMHAParams):
             raise ParamsError(f"prepare() takes FMHAParams, got {type(params).__name__}")
         choice = self._binding_for(params.device).choice_for(params.max_seqlen_q)
@@ -259,17 +248,15 @@ class PrefillBackend(ABC):
         fp8_scales: Fp8Scales | None = None,
         sinks: torch.Tensor | None = None,
     ) -> torch.Tensor:
-        path = self._forward
-        if path is None:
-            raise self._unbound()
-        return path.run(qkv, plan, fp8_scales, sinks)
+        return self._forward.run(qkv, plan, fp8_scales, sinks)
 
     def accepts_rows(self, rows: torch.Tensor) -> bool:
         """Whether the kernel can read these packed rows in place (e.g. an alignment rule); if
         not, the contract hands it a dense copy. Asked once per plan and buffer signature."""
         return True
 
-    def kernel_modules(self, spec: AttentionSpec, device: torch.device) -> tuple[KernelModule, ...]:
+    @classmethod
+    def kernel_modules(cls, spec: AttentionSpec, device: torch.device) -> tuple[KernelModule, ...]:
         """Compiled kernel modules ``spec`` loads on ``device`` (every per-batch path), for
         warm-up's estimate; empty for a backend whose kernels need no build."""
         return ()
@@ -300,7 +287,7 @@ class PrefillBackend(ABC):
         """A plan for every batch of ``bucket``: capture ``forward`` with it once, then
         ``plan.update(params)`` per batch and replay. Raises `GraphModeError` with the reasons
         when this backend cannot serve graph mode for its spec."""
-        spec = self.bound_spec()
+        spec = self._spec
         if not isinstance(bucket, GraphBucket):
             raise ParamsError(f"prepare_graph() takes a GraphBucket, got {type(bucket).__name__}")
         try:
@@ -384,5 +371,4 @@ class PrefillBackend(ABC):
         (and types ``plan`` as `AnyPlan`); any other never does: `prepare_graph` refuses it."""
 
     def __repr__(self) -> str:
-        bound = "unbound" if self._spec is None else "bound"
-        return f"<{type(self).__name__} {self.name!r} {bound}>"
+        return f"<{type(self).__name__} {self.name!r} bound to {self._spec.num_heads} heads>"

@@ -11,77 +11,13 @@ from .._model._dtypes import dtype_name
 from .._model._feature_table import FEATURES, FP8, Feature, FeatureSupport
 from .._model._platform import Platform, PlatformKind
 from .._model._reasons import Reason, ReasonCode
-from .._model._spec import AttentionSpec, kernel_rope_fusable, spec_masked
+from .._model._spec import AttentionSpec, kernel_rope_fusable
 
 
 def _names(values: frozenset[int] | frozenset[str] | frozenset[torch.dtype]) -> str:
     return ", ".join(
         sorted(dtype_name(v) if isinstance(v, torch.dtype) else str(v) for v in values)
     )
-
-
-@dataclass(frozen=True)
-class PriorityRule:
-    """How eagerly a backend wants a class of requests on a platform; the first match wins.
-
-    ``None`` fields match anything. ``note`` says where the number comes from (a measurement,
-    a policy), and is shown by ``explain``.
-    """
-
-    platform: PlatformKind
-    score: int
-    min_sm: int | None = None
-    max_sm: int | None = None
-    rocm_archs: frozenset[str] | None = None
-    gqa: bool | None = None
-    causal: bool | None = None
-    head_dims: frozenset[int] | None = None
-    rope_fusable: bool | None = None
-    """Match only specs whose RoPE a fused-RoPE kernel computes (True) or the others (False)."""
-    masked: bool | None = None
-    """Match only specs with a sliding window or ALiBi (True) or the others (False): kernels
-    that evaluate such masks and biases per block and those that materialise them rank
-    differently."""
-    note: str = ""
-
-    def matches(self, spec: AttentionSpec, platform: Platform) -> bool:
-        if platform.kind != self.platform:
-            return False
-        sm = platform.sm
-        if self.min_sm is not None and (sm is None or sm < self.min_sm):
-            return False
-        if self.max_sm is not None and (sm is None or sm > self.max_sm):
-            return False
-        if self.rocm_archs is not None and platform.arch not in self.rocm_archs:
-            return False
-        if self.gqa is not None and spec.is_gqa != self.gqa:
-            return False
-        if self.causal is not None and spec.causal != self.causal:
-            return False
-        if self.rope_fusable is not None and kernel_rope_fusable(spec) != self.rope_fusable:
-            return False
-        if self.masked is not None and spec_masked(spec) != self.masked:
-            return False
-        return self.head_dims is None or spec.head_dim in self.head_dims
-
-    def describe(self) -> str:
-        parts: list[str] = [self.platform]
-        if self.min_sm is not None or self.max_sm is not None:
-            parts.append(f"sm{self.min_sm or ''}..{self.max_sm or ''}")
-        if self.rocm_archs is not None:
-            parts.append("|".join(sorted(self.rocm_archs)))
-        if self.gqa is not None:
-            parts.append("GQA" if self.gqa else "MHA")
-        if self.causal is not None:
-            parts.append("causal" if self.causal else "bidirectional")
-        if self.head_dims is not None:
-            parts.append("d=" + "|".join(str(d) for d in sorted(self.head_dims)))
-        if self.rope_fusable is not None:
-            parts.append("fusable RoPE" if self.rope_fusable else "no fusable RoPE")
-        if self.masked is not None:
-            parts.append("window or ALiBi" if self.masked else "no window, no ALiBi")
-        text = " ".join(parts)
-        return f"{text} ({self.note})" if self.note else text
 
 
 _ANY = {"none": "any"}
@@ -122,7 +58,6 @@ class Capabilities:
     for graph mode with a ``cuda_graph`` reason."""
     requires: tuple[str, ...] = ()
     """Optional libraries (import names) the kernel needs."""
-    priority: tuple[PriorityRule, ...] = field(default=())
 
     def __post_init__(self) -> None:
         limit = self.fused_rope_max_seqlen
@@ -156,10 +91,6 @@ class Capabilities:
         limit = self.fused_rope_max_seqlen
         return limit is None or max_seqlen <= limit
 
-    def priority_for(self, spec: AttentionSpec, platform: Platform) -> PriorityRule | None:
-        """First rule matching the request; ``None``: never picked without an explicit choice."""
-        return next((rule for rule in self.priority if rule.matches(spec, platform)), None)
-
     def to_dict(self) -> dict[str, object]:
         """Every field (derived from the dataclass: a new field is listed without an edit
         here), each feature under its name with its limits, and ``fp8``."""
@@ -179,11 +110,9 @@ S = TypeVar("S", bound=FeatureSupport)
 
 def _jsonable(value: object) -> Any:
     """A declared value as JSON: sets sorted (dtypes by name), ``None`` for "any" sets as
-    ``"any"``, priority rules as their description."""
+    ``"any"``."""
     if isinstance(value, frozenset):
         return sorted(dtype_name(v) if isinstance(v, torch.dtype) else v for v in value)
-    if isinstance(value, PriorityRule):
-        return f"{value.describe()} -> {value.score}"
     if isinstance(value, tuple):
         return [_jsonable(v) for v in value]
     return value

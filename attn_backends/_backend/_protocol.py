@@ -1,4 +1,4 @@
-"""The `NoCachePrefill` protocol: what engines call and what backend plugins provide."""
+"""The `NoCachePrefill` protocol (what engines call) and `BackendClass` (what plugins register)."""
 
 from __future__ import annotations
 
@@ -17,11 +17,11 @@ from ._capabilities import Capabilities
 
 @runtime_checkable
 class NoCachePrefill(Protocol):
-    """A no-KV-cache prefill attention backend.
+    """A no-KV-cache prefill attention backend bound to one spec.
 
-    A plugin registers one unbound instance per backend. `select` checks it with `supports`,
-    then calls `bind` to get an instance for one spec; engines call `prepare` once per batch and
-    `forward` once per layer on the bound instance.
+    A plugin registers the class (`BackendClass`); `select` judges the classes with
+    ``supports`` and constructs the one it picked for the spec. Engines call `prepare` once per
+    batch and `forward` once per layer on that instance.
     """
 
     @property
@@ -35,17 +35,8 @@ class NoCachePrefill(Protocol):
         ...
 
     @property
-    def spec(self) -> AttentionSpec | None:
-        """The spec this instance is bound to; None for the registered, unbound instance."""
-        ...
-
-    def supports(self, spec: AttentionSpec, platform: Platform) -> list[Reason]:
-        """Every reason this backend cannot serve ``spec`` on ``platform``; empty if it can."""
-        ...
-
-    def bind(self, spec: AttentionSpec, platform: Platform | None = None) -> NoCachePrefill:
-        """A new instance bound to ``spec`` for ``platform`` (None: this machine). It refuses,
-        with `NoBackendError` and the reasons, a spec ``supports`` refuses there."""
+    def spec(self) -> AttentionSpec:
+        """The spec this instance is bound to."""
         ...
 
     def describe(self, platform: Platform) -> dict[str, str]:
@@ -91,3 +82,24 @@ class CudaGraphPrefill(NoCachePrefill, Protocol):
     ) -> torch.Tensor:
         """As `NoCachePrefill.forward`; with a `GraphPlan` the output has the bucket's rows."""
         ...
+
+
+class BackendClass(Protocol):
+    """What a plugin registers: a class whose declarations and judgement need no instance.
+
+    ``name`` and ``capabilities`` are class data, ``supports`` a classmethod; calling the class
+    with a spec and a platform that ``supports`` accepted gives the bound `NoCachePrefill`.
+    `PrefillBackend` subclasses are `BackendClass`es.
+    """
+
+    @property
+    def name(self) -> str: ...
+
+    @property
+    def capabilities(self) -> Capabilities: ...
+
+    def supports(self, spec: AttentionSpec, platform: Platform) -> list[Reason]:
+        """Every reason this backend cannot serve ``spec`` on ``platform``; empty if it can."""
+        ...
+
+    def __call__(self, spec: AttentionSpec, platform: Platform) -> NoCachePrefill: ...

@@ -7,6 +7,8 @@ the whole no-cache path: RoPE, logn, masking, GQA and the trimming of padding ro
 from __future__ import annotations
 
 import math
+from collections.abc import Mapping
+from types import MappingProxyType
 from typing import cast
 
 import torch
@@ -231,11 +233,13 @@ def relative_error(out: torch.Tensor, ref: torch.Tensor) -> float:
 
 # Relative-error bounds against the float64 reference, by input dtype. bf16 keeps 8 mantissa
 # bits and RoPE rounds Q/K back to the buffer dtype once, so its bound is the loosest.
-TOLERANCE: dict[torch.dtype, float] = {
-    torch.float32: 1e-4,
-    torch.float16: 5e-3,
-    torch.bfloat16: 1e-2,
-    torch.float8_e4m3fn: 8e-2,
-    torch.float8_e4m3fnuz: 8e-2,
-    torch.float8_e5m2: 1.5e-1,
-}
+TOLERANCE: Mapping[torch.dtype, float] = MappingProxyType(
+    {
+        torch.float32: 1e-4,
+        torch.float16: 5e-3,
+        torch.bfloat16: 1e-2,
+        torch.float8_e4m3fn: 8e-2,
+        torch.float8_e4m3fnuz: 8e-2,
+        torch.float8_e5m2: 1.5e-1,
+    }
+)

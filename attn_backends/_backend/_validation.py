@@ -1,7 +1,7 @@
 """Checks a backend's declarations once, when it registers, so selection can trust them.
 
-A frozen dataclass does not check its field types: ``Capabilities(head_dims=16)`` or
-``PriorityRule("cpu", score="high")`` construct fine and fail later, inside every `select`.
+A frozen dataclass does not check its field types: ``Capabilities(head_dims=16)`` constructs
+fine and fails later, inside every `select`.
 These functions list every problem instead, and the registry refuses that backend alone.
 """
 
@@ -14,7 +14,7 @@ import torch
 
 from .._model._feature_table import FEATURES, FeatureSupport
 from .._model._platform import PLATFORM_KINDS
-from ._capabilities import Capabilities, PriorityRule
+from ._capabilities import Capabilities
 
 NAME_PATTERN = re.compile(r"[A-Za-z0-9][A-Za-z0-9._+-]{0,99}")
 """Backend names: no spaces, commas or colons, which the environment lists use as syntax."""
@@ -28,7 +28,6 @@ def _fields_typed(cls: type, annotation: str) -> tuple[str, ...]:
 
 
 _CAPABILITY_FLAGS = _fields_typed(Capabilities, "bool")
-_RULE_FLAGS = _fields_typed(PriorityRule, "bool | None")
 
 
 def name_problem(name: object) -> str | None:
@@ -76,34 +75,6 @@ def _sm_problems(owner: str, min_sm: object, max_sm: object) -> list[str]:
     return problems
 
 
-def rule_problems(rule: object, where: str) -> list[str]:
-    """Every problem of one priority rule (``where`` names it in the messages)."""
-    if not isinstance(rule, PriorityRule):
-        return [f"{where} must be a PriorityRule, got {type(rule).__name__}"]
-    problems: list[str] = []
-    if rule.platform not in PLATFORM_KINDS:
-        problems.append(f"{where}.platform must be one of {', '.join(PLATFORM_KINDS)}")
-    score: object = rule.score
-    if not _is_int(score):  # a float (NaN, inf, 1.5), a str, a bool, None
-        problems.append(f"{where}.score must be an int (e.g. 100), got {score!r}")
-    problems += _sm_problems(where, rule.min_sm, rule.max_sm)
-    for field, value, element in (
-        ("rocm_archs", rule.rocm_archs, str),
-        ("head_dims", rule.head_dims, int),
-    ):
-        problem = _set_problem(f"{where}.{field}", value, element, optional=True)
-        if problem is not None:
-            problems.append(problem)
-    problems += [
-        f"{where}.{flag} must be True, False or None, got {value!r}"
-        for flag in _RULE_FLAGS
-        if (value := getattr(rule, flag)) is not None and not isinstance(value, bool)
-    ]
-    if not isinstance(rule.note, str):
-        problems.append(f"{where}.note must be a str, got {type(rule.note).__name__}")
-    return problems
-
-
 def capability_problems(caps: object) -> list[str]:
     """Every problem of a backend's declared capabilities; empty when they can be trusted."""
     if not isinstance(caps, Capabilities):
@@ -140,14 +111,6 @@ def capability_problems(caps: object) -> list[str]:
             f"capabilities.requires must be a tuple of import names such as ('flashinfer',), "
             f"got {caps.requires!r}"
         )
-    if not isinstance(caps.priority, tuple):
-        problems.append(
-            f"capabilities.priority must be a tuple of PriorityRule, got "
-            f"{type(caps.priority).__name__}"
-        )
-    else:
-        for i, rule in enumerate(caps.priority):
-            problems += rule_problems(rule, f"capabilities.priority[{i}]")
     return problems
 
 

@@ -1,8 +1,8 @@
 """Subcommands other distributions add to ``attn-backends``, found through entry points.
 
-The core names no optional tool: the benchmark (``attn-backends bench``) lives outside the
-package and declares an entry point in `COMMAND_GROUP` whose object is a `Subcommand`. The CLI
-adds one subparser per entry point, so the core never imports the tools it offers.
+The core names no optional tool: an installed distribution declares an entry point in
+`COMMAND_GROUP` whose object is a `Subcommand`, and the CLI adds one subparser per entry point,
+so the core never imports the tools it offers.
 """
 
 from __future__ import annotations

@@ -43,10 +43,6 @@ class PlatformError(AttentionBackendError, ValueError):
     """A platform string such as ``cuda:sm90`` could not be parsed."""
 
 
-class UnboundBackendError(AttentionBackendError, RuntimeError):
-    """`prepare`/`forward` was called on a backend that was never bound to a spec."""
-
-
 class NoBackendError(AttentionBackendError, RuntimeError):
     """No backend fits, or the explicitly chosen one does not; carries every reason.
 

@@ -84,6 +84,13 @@ def note_required_libraries(names: Iterable[str]) -> None:
         _required.update(names)
 
 
+def clear_required_libraries() -> None:
+    """Forget the libraries noted by `note_required_libraries`: a replaced registry's backends
+    must not keep widening every later probe (tests, an engine that manages plugins itself)."""
+    with _required_lock:
+        _required.clear()
+
+
 def _present(import_name: str) -> bool:
     """Whether ``import_name`` can be imported, without importing it.
 

@@ -225,6 +225,8 @@ def platform_of(device: torch.device) -> Platform:
 
 
 def clear_preprocess_cache() -> None:
+    """Forget every remembered choice of a pass and every detected device platform, so the
+    next plan asks again (tests, or a toolchain installed since)."""
     with _cache_lock:
         _choices.clear()
         _platforms.clear()

@@ -248,6 +248,12 @@ def withdraw_registry(serial: int) -> None:
     _withdraw_where(lambda held: held[0] == serial)
 
 
+def clear_host_passes() -> None:
+    """Withdraw the passes the host process gave `register_rope_pass`, which no registry owns
+    and so no `reset_registry` takes back; a plugin's pass stays while its registry holds it."""
+    withdraw(IN_PROCESS_OWNER)
+
+
 def _withdraw_where(match: Callable[[Owner], bool]) -> None:
     with _lock:
         changed = False

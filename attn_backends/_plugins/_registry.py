@@ -18,15 +18,15 @@ import re
 import threading
 import weakref
 from dataclasses import dataclass, field
-from typing import Literal
+from typing import Any, Literal, cast
 
 import pluggy
 
 from .._backend._capabilities import Capabilities
-from .._backend._protocol import NoCachePrefill
+from .._backend._protocol import BackendClass
 from .._backend._validation import capability_problems, name_problem
 from .._model._errors import PluginLoadError
-from .._model._platform import note_required_libraries
+from .._model._platform import PLATFORM_KINDS, clear_required_libraries, note_required_libraries
 from .._path._rope_passes import (
     RopePass,
     collecting,
@@ -43,6 +43,7 @@ from ._hooks import (
     PROJECT_NAME,
     HookSpecs,
     PluginManifest,
+    Rank,
 )
 from ._isolation import (
     PLUGIN_TIMEOUT_ENV,
@@ -110,14 +111,17 @@ class BackendEntry:
     """
 
     name: str
-    backend: NoCachePrefill
+    backend: BackendClass
+    """The registered class: ``supports`` judges it, calling it binds it."""
     capabilities: Capabilities
     plugin: str
     order: int
-    """Registration order; breaks priority ties."""
+    """Registration order: places ranked next to the same backend go in this order."""
     origin: str = IN_PROCESS
     """Distribution and version the plugin came from (``attn-backends 0.1.0``), or in process."""
     builtin: bool = False
+    ranks: tuple[Rank, ...] = ()
+    """Where the plugin placed this backend (a built-in is placed by the ranking table)."""
 
 
 @dataclass(frozen=True)
@@ -137,6 +141,14 @@ def _major(version: str) -> str:
     return version.split(".", 1)[0]
 
 
+_MIGRATION = (
+    "plugin API 2.0 registers backend classes (PluginManifest(backends=[MyBackend])), makes "
+    "supports() and extra_reasons() classmethods, and places a backend with "
+    "PluginManifest(ranks=[Rank('my-backend', before='flashinfer')]) instead of "
+    "Capabilities(priority=...) scores; see docs/plugin-guide.md"
+)
+
+
 def _canonical(dist: str) -> str:
     return re.sub(r"[-_.]+", "-", dist).lower()
 
@@ -153,8 +165,9 @@ class _Offer:
     """One backend a plugin offered, with what was read from it once, already checked."""
 
     name: str
-    backend: NoCachePrefill
+    backend: BackendClass
     capabilities: Capabilities
+    ranks: tuple[Rank, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -169,22 +182,72 @@ class _Inspection:
 
 
 def _offer(backend: object) -> _Offer | str:
-    """Read one offered backend's name and capabilities once and check them (plugin thread)."""
-    kind = type(backend).__name__
+    """Read one offered class's name and capabilities once and check them (plugin thread)."""
+    if not isinstance(backend, type):
+        kind = type(backend).__name__
+        return (
+            f"offered an instance of {kind}; plugin API {PLUGIN_API_VERSION} registers backend "
+            f"classes: list {kind} itself"
+        )
+    kind = backend.__name__
+    missing = [a for a in ("name", "capabilities", "supports") if a not in dir(backend)]
+    if missing:
+        return (
+            f"{kind} is not a backend class: it has no {', '.join(missing)} (subclass "
+            "attn_backends.plugin.PrefillBackend)"
+        )
+    declared: Any = backend  # a plugin's class: its declarations are checked below
     try:
-        if not isinstance(backend, NoCachePrefill):
-            return f"{kind} does not implement NoCachePrefill"
-        name: object = backend.name
-        caps: object = backend.capabilities
+        name: object = declared.name
+        caps: object = declared.capabilities
+        judge: object = declared.supports
     except Exception as exc:
         return f"{kind} raised while being inspected: {describe_exception(exc)}"
     problem = name_problem(name)
     if problem is not None:
         return f"{kind}.{problem}"
+    if not callable(judge):
+        return f"{kind}.supports must be a classmethod (spec, platform) -> list[Reason]"
     problems = capability_problems(caps)
     if problems or not isinstance(name, str) or not isinstance(caps, Capabilities):
         return f"backend {name!r} ({kind}) refused: " + "; ".join(problems)
-    return _Offer(name, backend, caps)
+    return _Offer(name, cast(BackendClass, backend), caps)
+
+
+def _rank_problem(rank: object, offered: frozenset[str]) -> str | None:
+    """Why a manifest's rank cannot be used, or None."""
+    if not isinstance(rank, Rank):
+        return f"ranks must hold Rank values, got {type(rank).__name__}"
+    if rank.backend not in offered:
+        return f"{rank.describe()}: {rank.backend!r} is not a backend this plugin registers"
+    if (rank.before is None) == (rank.after is None):
+        return f"Rank({rank.backend!r}) needs exactly one of before= and after="
+    problem = name_problem(rank.anchor)
+    if problem is not None:
+        return f"{rank.describe()}: the backend it is placed next to: {problem}"
+    if rank.anchor == rank.backend:
+        return f"{rank.describe()}: a backend cannot be placed next to itself"
+    if rank.platform is not None and rank.platform not in PLATFORM_KINDS:
+        return f"{rank.describe()}: platform must be one of {', '.join(PLATFORM_KINDS)} or None"
+    if not isinstance(rank.note, str):
+        return f"Rank({rank.backend!r}).note must be a str"
+    return None
+
+
+def _ranked(offers: list[_Offer], declared: list[object]) -> tuple[list[_Offer], list[str]]:
+    """The offers with their checked ranks attached, and the problems of the refused ranks
+    (a malformed rank leaves its backend chosen by name only, never the plugin refused)."""
+    offered = frozenset(o.name for o in offers)
+    problems: list[str] = []
+    ranks: dict[str, list[Rank]] = {}
+    for rank in declared:
+        problem = _rank_problem(rank, offered)
+        if problem is not None:
+            problems.append(f"rank refused: {problem}")
+        elif isinstance(rank, Rank):
+            ranks.setdefault(rank.backend, []).append(rank)
+    out = [_Offer(o.name, o.backend, o.capabilities, tuple(ranks.get(o.name, ()))) for o in offers]
+    return out, problems
 
 
 def _rope_passes_of(manifest: PluginManifest, given: tuple[RopePass, ...]) -> list[RopePass] | str:
@@ -248,8 +311,8 @@ def _inspect(plugin: object, name: str, early: tuple[RopePass, ...] = ()) -> _In
         return _Inspection(
             "incompatible",
             problems=(
-                f"built for plugin API {manifest.api_version}, this host speaks "
-                f"{PLUGIN_API_VERSION} (major versions differ)",
+                f"built for plugin API {manifest.api_version}, this host needs plugin API "
+                f"{PLUGIN_API_VERSION} (major versions differ): {_MIGRATION}",
             ),
         )
     try:
@@ -262,10 +325,16 @@ def _inspect(plugin: object, name: str, early: tuple[RopePass, ...] = ()) -> _In
     passes = _rope_passes_of(manifest, (*early, *given))
     if isinstance(passes, str):
         return _Inspection("failed", problems=(f"refused: {passes}",))
+    try:
+        declared: list[object] = list(manifest.ranks)
+    except Exception as exc:
+        return _Inspection(
+            "failed", problems=(f"manifest.ranks is not a sequence: {describe_exception(exc)}",)
+        )
     judged = [_offer(backend) for backend in offered]
-    offers = tuple(o for o in judged if isinstance(o, _Offer))
-    problems = tuple(o for o in judged if isinstance(o, str))
-    return _Inspection("loaded", offers, problems, tuple(passes))
+    offers, problems = _ranked([o for o in judged if isinstance(o, _Offer)], declared)
+    problems = [o for o in judged if isinstance(o, str)] + problems
+    return _Inspection("loaded", tuple(offers), tuple(problems), tuple(passes))
 
 
 @dataclass(frozen=True)
@@ -447,6 +516,7 @@ class Registry:
                 self._next_order,
                 origin,
                 builtin,
+                offer.ranks,
             )
             self._next_order += 1
             note_required_libraries(offer.capabilities.requires)
@@ -572,4 +642,5 @@ def reset_registry(registry: Registry | None = None) -> None:
     with _default_lock:
         if _default is not None and _default is not registry:
             withdraw_registry(_default.serial)
+            clear_required_libraries()  # the replaced backends' libraries need no more probing
         _default = registry

@@ -8,11 +8,10 @@ import os
 import threading
 from collections import OrderedDict
 from dataclasses import dataclass, field
-from typing import Literal
+from typing import Literal, cast
 
 import torch
 
-from .._backend._capabilities import Capabilities
 from .._backend._protocol import NoCachePrefill
 from .._model._dtypes import dtype_name
 from .._model._errors import InvalidArgumentError, NoBackendError, PlatformError, SpecError
@@ -34,13 +33,14 @@ from .._plugins._registry import (
 )
 from ._canary import CANARY_OFF, CanaryResult, run_canary
 from ._flags import derive_need_rope_kv_cache
+from ._ranking import ranked, unplaced_reason
 
 logger = logging.getLogger("attn_backends")
 
 BACKEND_ENV = "ATTN_BACKEND"
 STRICT_ENV = "ATTN_BACKENDS_STRICT"
 """``1``/``true``/``yes``/``on``: run the canary on every `select` that has no ``strict=``."""
-DecisionSource = Literal["explicit", "environment", "priority"]
+DecisionSource = Literal["explicit", "environment", "ranking"]
 Verdict = Literal["selected", "eligible", "rejected", "not ranked"]
 
 _TRUE = frozenset({"1", "true", "yes", "on"})
@@ -54,8 +54,10 @@ class Candidate:
     name: str
     plugin: str
     verdict: Verdict
-    priority: int | None
-    priority_rule: str | None
+    rank: int | None
+    """Place in line for this request (1: tried first); None: chosen only by name."""
+    ranked_by: str | None
+    """The ranking-table row or plugin `Rank` that gave the place."""
     reasons: tuple[Reason, ...]
     assumed_libraries: tuple[str, ...] = ()
     """Libraries this backend needs that a dry run assumed present without checking."""
@@ -65,8 +67,8 @@ class Candidate:
             "name": self.name,
             "plugin": self.plugin,
             "verdict": self.verdict,
-            "priority": self.priority,
-            "priority_rule": self.priority_rule,
+            "rank": self.rank,
+            "ranked_by": self.ranked_by,
             "reasons": [r.to_dict() for r in self.reasons],
             "assumed_libraries": list(self.assumed_libraries),
         }
@@ -127,8 +129,15 @@ class Selection:
         }
 
     def explain(self) -> str:
+        chosen = next((c for c in self.candidates if c.verdict == "selected"), None)
+        decided = (
+            f"decided by: {chosen.ranked_by}"
+            if self.source == "ranking" and chosen is not None and chosen.ranked_by
+            else f"decided by: the name {self.name!r} ({self.source})"
+        )
         lines = [
             f"selected: {self.name} (by {self.source})",
+            decided,
             f"spec: {_spec_line(self.spec)}",
             f"platform: {self.platform}"
             + (f" [{self.platform.device_name}]" if self.platform.device_name else "")
@@ -149,8 +158,10 @@ class Selection:
             lines.append("details: " + ", ".join(f"{k}={v}" for k, v in self.details))
         lines.append("candidates:")
         for c in self.candidates:
-            prio = f" priority {c.priority} [{c.priority_rule}]" if c.priority is not None else ""
-            lines.append(f"  {c.verdict:>10}  {c.name} (plugin {c.plugin}){prio}")
+            place = f" rank {c.rank}" if c.rank is not None else ""
+            lines.append(f"  {c.verdict:>10}  {c.name} (plugin {c.plugin}){place}")
+            if c.ranked_by is not None:
+                lines.append(f"              ranked by {c.ranked_by}")
             lines.extend(f"              - {r}" for r in c.reasons)
             if c.assumed_libraries:
                 lines.append(f"              (assumed installed: {', '.join(c.assumed_libraries)})")
@@ -263,8 +274,8 @@ class _Request:
 class _Judged:
     entry: BackendEntry
     reasons: list[Reason]
-    priority: int | None
-    rule: str | None
+    rank: int | None = None
+    ranked_by: str | None = None
 
     @property
     def name(self) -> str:
@@ -275,10 +286,10 @@ def _short_error(exc: BaseException) -> str:
     return f"{type(exc).__name__}: {exc}"
 
 
-def _supports(backend: NoCachePrefill, spec: AttentionSpec, platform: Platform) -> list[Reason]:
-    """``backend.supports`` with a plugin's exception or wrong return turned into a reason."""
+def _supports(entry: BackendEntry, spec: AttentionSpec, platform: Platform) -> list[Reason]:
+    """The class's ``supports`` with a plugin's exception or wrong return turned into a reason."""
     try:
-        found = backend.supports(spec, platform)
+        found = entry.backend.supports(spec, platform)
     except Exception as exc:
         return [Reason(ReasonCode.BACKEND_SPECIFIC, f"supports() raised {_short_error(exc)}")]
     if not isinstance(found, list) or not all(isinstance(r, Reason) for r in found):
@@ -291,34 +302,10 @@ def _supports(backend: NoCachePrefill, spec: AttentionSpec, platform: Platform) 
     return found
 
 
-def _ranking(caps: Capabilities, req: _Request) -> tuple[int, str] | Reason | None:
-    """Score and description of the matching priority rule (None: no rule matches), or a
-    reason when the rules cannot be evaluated.
-
-    Rules were checked at registration; this guards against a declaration changed since (a
-    frozen dataclass can still be forced), so one bad backend never breaks `select`.
-    """
-    try:
-        rule = caps.priority_for(req.spec, req.platform)
-        if rule is None:
-            return None
-        score: object = rule.score
-        if not isinstance(score, int) or isinstance(score, bool):
-            raise TypeError(f"score {score!r} is not an int")
-        return score, rule.describe()
-    except Exception as exc:
-        return Reason(
-            ReasonCode.BACKEND_SPECIFIC,
-            f"priority rules could not be evaluated: {_short_error(exc)}",
-        )
-
-
 def _judge(entry: BackendEntry, req: _Request) -> _Judged:
     refusal = req.policy.backend_refusal(entry.name, entry.plugin)
     if refusal is not None:
-        reason = Reason(ReasonCode.DISABLED, refusal, DISABLE_ENV)
-        return _Judged(entry, [reason], None, None)
-    caps = entry.capabilities
+        return _Judged(entry, [Reason(ReasonCode.DISABLED, refusal, DISABLE_ENV)])
     reasons: list[Reason] = []
     if req.has_kv_cache:
         reasons.append(
@@ -330,7 +317,7 @@ def _judge(entry: BackendEntry, req: _Request) -> _Judged:
                 "False",
             )
         )
-    if req.cuda_graph and not caps.cuda_graph:
+    if req.cuda_graph and not entry.capabilities.cuda_graph:
         reasons.append(
             Reason(
                 ReasonCode.CUDA_GRAPH,
@@ -340,14 +327,8 @@ def _judge(entry: BackendEntry, req: _Request) -> _Judged:
                 "True (a backend that declares graph mode)",
             )
         )
-    reasons.extend(_supports(entry.backend, req.spec, req.platform))
-    ranking = _ranking(caps, req)
-    if isinstance(ranking, Reason):
-        return _Judged(entry, [*reasons, ranking], None, None)
-    if ranking is None:
-        return _Judged(entry, reasons, None, None)
-    score, described = ranking
-    return _Judged(entry, reasons, score, described)
+    reasons.extend(_supports(entry, req.spec, req.platform))
+    return _Judged(entry, reasons)
 
 
 _Key = tuple[_Request, int, int, int]
@@ -503,7 +484,7 @@ def select_request(request: SelectRequest, *, registry: Registry | None = None) 
         if request.backend is not None
         else "environment"
         if env_choice is not None
-        else "priority"
+        else "ranking"
     )
     on = strict_from_env() if request.strict is None else request.strict
     req = _Request(
@@ -550,26 +531,25 @@ _Winner = tuple[NoCachePrefill, tuple[tuple[str, str], ...], CanaryResult]
 
 
 def _bind(entry: BackendEntry, spec: AttentionSpec, platform: Platform) -> NoCachePrefill | Reason:
-    """``entry.backend.bind(spec, platform)``, refused unless it is the same backend: same
-    class, same name (else the record, and the engine, would run something other than what was
-    judged)."""
-    backend = entry.backend
+    """The judged class bound to ``spec`` (``supports`` was empty: it is not asked again),
+    refused unless it made an instance of that class carrying that name (else the record, and
+    the engine, would run something other than what was judged)."""
+    cls = entry.backend
     try:
-        bound = backend.bind(spec, platform)
-        kind = type(bound)
-        name: object = bound.name if kind is type(backend) else None
+        bound = cls(spec, platform)
+        name: object = bound.name if isinstance(bound, cast(type, cls)) else None
     except Exception as exc:
-        return Reason(ReasonCode.BACKEND_SPECIFIC, f"bind() raised {_short_error(exc)}")
-    if kind is not type(backend):
+        return Reason(ReasonCode.BACKEND_SPECIFIC, f"binding raised {_short_error(exc)}")
+    if not isinstance(bound, cast(type, cls)):
         return Reason(
             ReasonCode.BACKEND_SPECIFIC,
-            f"bind() returned a {kind.__name__}, not a {type(backend).__name__}: a backend must "
-            "bind to an instance of its own class",
+            f"{cast(type, cls).__name__}(spec, platform) returned a {type(bound).__name__}: a "
+            "backend class must construct an instance of itself",
         )
     if name != entry.name:
         return Reason(
             ReasonCode.BACKEND_SPECIFIC,
-            f"bind() returned a backend named {name!r}, not {entry.name!r}",
+            f"binding made a backend named {name!r}, not {entry.name!r}",
         )
     return bound
 
@@ -582,7 +562,7 @@ def _try_winner(judged: _Judged, req: _Request) -> _Winner | Reason:
     try:
         described = bound.describe(req.platform)
     except Exception as exc:
-        return Reason(ReasonCode.BACKEND_SPECIFIC, f"bind()/describe() raised {_short_error(exc)}")
+        return Reason(ReasonCode.BACKEND_SPECIFIC, f"describe() raised {_short_error(exc)}")
     if not isinstance(described, dict):
         return Reason(
             ReasonCode.BACKEND_SPECIFIC,
@@ -611,13 +591,13 @@ def _try_winner(judged: _Judged, req: _Request) -> _Winner | Reason:
     return bound, details, result
 
 
-def _failure_lines(judged: list[_Judged]) -> list[str]:
+def _failure_lines(judged: list[_Judged], platform: Platform) -> list[str]:
     lines = []
     for j in judged:
         if j.reasons:
             text = "; ".join(str(r) for r in j.reasons)
-        elif j.priority is None:
-            text = "fits, but has no priority on this platform (choose it explicitly)"
+        elif j.rank is None:
+            text = f"fits, but {unplaced_reason(j.entry, platform)}"
         else:
             text = "fits"
         lines.append(f"  - {j.name}: {text}")
@@ -719,14 +699,19 @@ def _unmatched(req: _Request, snap: RegistrySnapshot) -> tuple[str, ...]:
 def _decide(req: _Request, snap: RegistrySnapshot) -> Selection:
     unmatched = _unmatched(req, snap)
     judged = [_judge(entry, req) for entry in snap.entries]
+    of = {j.name: j for j in judged}
+    for n, place in enumerate(ranked(req.spec, req.platform, snap.entries), start=1):
+        of[place.entry.name].rank, of[place.entry.name].ranked_by = n, place.by
     if req.explicit is not None:
-        match = next((j for j in judged if j.name == req.explicit), None)
+        match = of.get(req.explicit)
         if match is None:
             raise _unknown(req, snap)
         order = [match]
     else:
-        order = [j for j in judged if not j.reasons and j.priority is not None]
-        order.sort(key=lambda j: (-(j.priority or 0), j.entry.order))
+        order = sorted(
+            (j for j in judged if not j.reasons and j.rank is not None),
+            key=lambda j: j.rank or 0,
+        )
     winner: tuple[_Judged, _Winner] | None = None
     for cand in order:
         if cand.reasons:
@@ -743,7 +728,7 @@ def _decide(req: _Request, snap: RegistrySnapshot) -> Selection:
     chosen, (bound, details, canary) = winner
     candidates = [_candidate(j, j is chosen, req.platform) for j in judged]
     order_of = {"selected": 0, "eligible": 1, "not ranked": 2, "rejected": 3}
-    candidates.sort(key=lambda c: (order_of[c.verdict], -(c.priority or 0)))
+    candidates.sort(key=lambda c: (order_of[c.verdict], c.rank or len(judged) + 1))
     return Selection(
         backend=bound,
         name=chosen.name,
@@ -790,7 +775,7 @@ def _no_winner(
             if req.has_kv_cache
             else f"no backend serves {_spec_line(req.spec)} on {req.platform}"
         )
-        text = head + ":\n" + "\n".join(_failure_lines(judged))
+        text = head + ":\n" + "\n".join(_failure_lines(judged, req.platform))
         reasons = [(j.name, j.reasons) for j in judged]
     record = _failed_record(req, judged, snap, unmatched, text)
     return NoBackendError(text, reasons, record=record)
@@ -803,15 +788,10 @@ def _candidate(j: _Judged, selected: bool, plat: Platform) -> Candidate:
         verdict = "selected"
     elif reasons:
         verdict = "rejected"
-    elif j.priority is None:
+    elif j.rank is None:
         verdict = "not ranked"
-        reasons = (
-            Reason(
-                ReasonCode.NOT_RANKED,
-                f"no priority rule for {plat}; chosen only when named explicitly",
-            ),
-        )
+        reasons = (Reason(ReasonCode.NOT_RANKED, unplaced_reason(j.entry, plat)),)
     else:
         verdict = "eligible"
     assumed = j.entry.capabilities.requires if plat.assumed else ()
-    return Candidate(j.name, j.entry.plugin, verdict, j.priority, j.rule, reasons, assumed)
+    return Candidate(j.name, j.entry.plugin, verdict, j.rank, j.ranked_by, reasons, assumed)

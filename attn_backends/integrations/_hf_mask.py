@@ -162,7 +162,9 @@ class MaskRequest:
 
 
 _requests: dict[int, tuple[weakref.ref[torch.Tensor], MaskRequest]] = {}
-_requests_lock = threading.Lock()
+_requests_lock = threading.RLock()
+"""Reentrant: a token's weakref callback takes it, and the garbage collector may run that
+callback on a thread that already holds it (inside `record`)."""
 
 
 class MaskGuard(torch.Tensor):
@@ -243,13 +245,13 @@ def newest_serial() -> int:
 def record(token: torch.Tensor, request: MaskRequest) -> torch.Tensor:
     """Tie ``request`` to the tensor the hook returns; it lives as long as that tensor."""
     key = id(token)
-    request.serial = _newest[0] = next(_serials)
 
     def forget(_: object, key: int = key) -> None:
         with _requests_lock:
             _requests.pop(key, None)
 
-    with _requests_lock:
+    with _requests_lock:  # serial and newest together: `newest_serial` never goes back
+        request.serial = _newest[0] = next(_serials)
         _requests[key] = (weakref.ref(token, forget), request)
     return token
 

@@ -219,6 +219,16 @@ def _attention_tables() -> list[tuple[str, str]]:
     return list(found)
 
 
+def clear_model_caches() -> None:
+    """Forget the model classes, registry verdicts and attention tables read so far, so that
+    the next model asks transformers again (a module reloaded, remote code updated, tests)."""
+    global _tables_found
+    with _lock:
+        _classes.clear()
+        _bypassers.clear()
+        _tables_found = None
+
+
 class _RefusedAttention:
     """What a table of attention modules holds under the registered name: building a layer
     raises `IntegrationError` naming the model, at load, instead of transformers' KeyError."""

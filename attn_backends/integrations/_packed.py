@@ -45,7 +45,9 @@ class _Tracked(Generic[_T]):
 
     def __init__(self) -> None:
         self._items: dict[int, tuple[weakref.ref[torch.Tensor], _T | None]] = {}
-        self._lock = threading.Lock()
+        self._lock = threading.RLock()
+        """Reentrant: a tensor's weakref callback takes it, and the garbage collector may run
+        that callback on a thread that already holds it (inside `put`)."""
 
     def put(self, t: torch.Tensor, partner: _T | None = None) -> None:
         key = id(t)

@@ -10,6 +10,8 @@ the graph runner both refuse a model on anything else, by name.
 from __future__ import annotations
 
 import functools
+import threading
+import weakref
 from collections.abc import Callable
 from typing import Any
 
@@ -18,19 +20,34 @@ from .transformers import attention_forward
 
 __all__ = ["mark_ours", "require_ours", "require_still"]
 
-_OURS: set[int] = set()
-"""``id`` of functions (kept alive by transformers' registry) that serve this library."""
+_OURS: weakref.WeakSet[Callable[..., Any]] = weakref.WeakSet()
+"""Functions registered by this package that serve this library, held weakly: transformers'
+registry keeps them alive, and a function it dropped leaves no id another one could reuse."""
+_ours_lock = threading.Lock()
 
 
 def mark_ours(function: Callable[..., Any]) -> None:
     """Record a function registered by this package that ends in `attention_forward`."""
-    _OURS.add(id(function))
+    with _ours_lock:
+        _OURS.add(function)
+
+
+def clear_ours() -> None:
+    """Forget every function `mark_ours` recorded (tests that register their own)."""
+    with _ours_lock:
+        _OURS.clear()
 
 
 def _is_ours(function: object) -> bool:
-    if function is attention_forward or id(function) in _OURS:
+    if function is attention_forward:
         return True
-    return isinstance(function, functools.partial) and function.func is attention_forward
+    if isinstance(function, functools.partial):
+        return function.func is attention_forward
+    try:
+        with _ours_lock:
+            return function in _OURS
+    except TypeError:  # an unhashable callable someone else registered: not ours
+        return False
 
 
 def require_ours(model: Any, where: str) -> str:

@@ -27,7 +27,6 @@ from __future__ import annotations
 
 import functools
 import threading
-import weakref
 from typing import TYPE_CHECKING, Any, TypeVar
 
 import torch
@@ -47,11 +46,14 @@ __all__ = ["attention_name", "load", "load_cross_encoder", "packed"]
 Model = TypeVar("Model", bound=torch.nn.Module)
 
 _BACKBONE_TASKS = ("sequence-classification", "text-generation")
-_packed_modules: weakref.WeakSet[torch.nn.Module] = weakref.WeakSet()
-_exact_encoders: weakref.WeakSet[torch.nn.Module] = weakref.WeakSet()
-"""SentenceTransformers whose ``encode`` already routes padded outputs (`packed` is
-idempotent)."""
+_PACKED = "_attn_backends_packed"
+"""Flag on a Transformer module whose hooks `packed` installed. Kept on the module itself, not
+in a module-level set: it lives and dies with that model, and a copy of the module carries it
+together with the hooks it stands for."""
+_EXACT = "_attn_backends_exact_encode"
+"""Flag on a SentenceTransformer whose ``encode`` `packed` already wrapped."""
 _lock = threading.Lock()
+"""Makes `packed`'s check-then-hook atomic when two threads pack one model."""
 
 
 def attention_name(backend: str | None = None) -> str:
@@ -115,10 +117,10 @@ def packed(model: Model) -> Model:
         require_ours(module.model, "packed()")
     for module in modules:
         with _lock:
-            if module in _packed_modules:
+            if getattr(module, _PACKED, False):
                 continue
             _pack(module)
-            _packed_modules.add(module)
+            setattr(module, _PACKED, True)
     with _lock:
         _encode_outputs_exactly(model)
     return model
@@ -130,7 +132,7 @@ def _encode_outputs_exactly(model: Any) -> None:
     sentence-transformers cuts by the padding mask. Sentence embeddings stay packed."""
     from sentence_transformers import SentenceTransformer
 
-    if not isinstance(model, SentenceTransformer) or model in _exact_encoders:
+    if not isinstance(model, SentenceTransformer) or getattr(model, _EXACT, False):
         return
     encode = model.encode
 
@@ -144,7 +146,7 @@ def _encode_outputs_exactly(model: Any) -> None:
     # the instance attribute shadows the class's method; sentence-transformers' own
     # encode_query/encode_document reach it through self.encode
     model.encode = encode_exactly  # type: ignore[method-assign]
-    _exact_encoders.add(model)
+    setattr(model, _EXACT, True)
 
 
 def _without_cache(config: Any) -> None:

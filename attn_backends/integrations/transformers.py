@@ -82,6 +82,9 @@ _decided: dict[tuple[AttentionSpec, torch.device, str | None, str], Selection] =
 """Every distinct decision served so far, for `decisions()` and the log; never read to serve
 (each forward asks `select`, whose own cache follows the registry and the environment)."""
 _decided_lock = threading.Lock()
+_plans_lock = threading.Lock()
+"""Guards ``BatchLayout.plans``: the whole-rows layouts of `_full_rows` are shared by every
+thread and model."""
 logger = logging.getLogger("attn_backends")
 
 
@@ -112,6 +115,18 @@ def decisions() -> list[Selection]:
     backend served a model."""
     with _decided_lock:
         return list(_decided.values())
+
+
+def clear_decisions() -> None:
+    """Forget the decisions `decisions` reports; the next one of each is logged again."""
+    with _decided_lock:
+        _decided.clear()
+
+
+def clear_layout_cache() -> None:
+    """Drop the shared whole-rows layouts and the plans prepared on them (they keep their
+    backends, and those backends' memory, alive past a `reset_registry`)."""
+    _full_rows.cache_clear()
 
 
 def padding_mask(
@@ -514,6 +529,23 @@ def _same_keys(cu_q: torch.Tensor, cu_k: object) -> torch.Tensor:
     return cu_q
 
 
+def _plan_for(layout: BatchLayout, selection: Selection, spec: AttentionSpec) -> object:
+    """The plan of the selected backend for ``spec`` on ``layout``, prepared once: outside the
+    lock (a kernel plan may take milliseconds), and the first one stored is the one used."""
+    backend = selection.backend
+    key = (id(backend), spec)
+    with _plans_lock:
+        found = layout.plans.get(key)
+    if found is not None and found[0] is backend:
+        return found[1]
+    plan = backend.prepare(layout.params)
+    with _plans_lock:
+        found = layout.plans.get(key)
+        if found is None or found[0] is not backend:
+            found = layout.plans[key] = (backend, plan)
+    return found[1]
+
+
 def _token_rows(x: torch.Tensor, layout: BatchLayout) -> torch.Tensor:
     """``x [B, H, S, D]`` as ``[tokens, H, D]``: a view when the memory allows, else a copy."""
     per_token = x.transpose(1, 2)  # [B, S, H, D]
@@ -551,12 +583,7 @@ def attention_forward(
     batch, _, seq, head_dim = query.shape
     layout = _batch_layout(module, attention_mask, request, batch, seq, query.device, spec, kwargs)
     selection = _selection(spec, query.device, backend, module, request)
-    plan_key = (id(selection.backend), spec)
-    found = layout.plans.get(plan_key)
-    if found is None or found[0] is not selection.backend:
-        found = (selection.backend, selection.backend.prepare(layout.params))
-        layout.plans[plan_key] = found
-    plan = found[1]
+    plan = _plan_for(layout, selection, spec)
     q_rows = _token_rows(query, layout)
     out = selection.backend.forward(
         (q_rows, _token_rows(key, layout), _token_rows(value, layout)),

@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 
-_SUITE = Path(__file__).with_name("test_conformance.py")
+_SUITE = Path(__file__).with_name("_session.py")
 NUMERIC_TESTS = frozenset({"test_numeric", "test_interleaved_plans", "test_graph_mode"})
 """Suite tests that compare a backend's output with the float64 reference."""
 ALLOW_NO_NUMBERS = "--attn-backend-allow-no-numbers"

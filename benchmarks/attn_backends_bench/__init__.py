@@ -1,4 +1,5 @@
-"""The no-cache prefill benchmark (``attn-backends bench``), GPU only, never a timed test.
+"""The no-cache prefill benchmark (``python3 benchmarks/bench.py``), GPU only, never a timed
+test.
 
 Embedding-model workloads (document batches and query batches), each computed by several paths
 in one run: the public API and the raw kernel it wraps, every backend alone, attention without
@@ -10,8 +11,9 @@ project's targets.
 
 It lives outside the ``attn_backends`` package and uses its two public faces only
 (``attn_backends``, ``attn_backends.plugin``); what it knows about a backend's kernel (fa2 or
-fa3, the workspace, where flashinfer's RoPE serves) it asks the built-in plugins. The core's
-CLI offers it as ``attn-backends bench`` through the ``attn_backends.commands`` entry point.
+fa3, the workspace, where flashinfer's RoPE serves) it asks the built-in plugins. It is not
+installed with ``attn-backends``: it runs from a checkout, with ``benchmarks/`` on ``sys.path``
+(``benchmarks/bench.py`` does that by being run as a file).
 
 Importing this package needs only torch; matplotlib and the GPU libraries load on use.
 """

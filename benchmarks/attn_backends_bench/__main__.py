@@ -1,4 +1,5 @@
-"""``python -m attn_backends_bench``: the same command as ``attn-backends bench``."""
+"""``python3 -m attn_backends_bench``, from ``benchmarks/``: the same command as
+``python3 benchmarks/bench.py``."""
 
 from __future__ import annotations
 
@@ -7,4 +8,4 @@ import sys
 from .cli import main
 
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(main(prog="python3 -m attn_backends_bench"))

@@ -1,9 +1,8 @@
-"""``attn-backends bench``: the command-line face of the benchmark.
+"""The command-line face of the benchmark: ``python3 benchmarks/bench.py`` from a checkout.
 
-`add_arguments` fills a parser (the ``bench`` subcommand, or ``python -m attn_backends_bench``)
-and `run` executes it. Option destinations are prefixed ``bench_`` so that they never collide
-with options of a parent parser. `COMMAND` is what the ``attn_backends.commands`` entry point
-hands the core's CLI, which thereby offers ``bench`` without importing the benchmark.
+`add_arguments` fills a parser (`main`'s own, or a parent's subcommand) and `run` executes it.
+Option destinations are prefixed ``bench_`` so that they never collide with options of a parent
+parser. From ``benchmarks/``, ``python3 -m attn_backends_bench`` runs the same command.
 """
 
 from __future__ import annotations
@@ -16,8 +15,6 @@ from pathlib import Path
 
 import torch
 
-from attn_backends.plugin import Subcommand
-
 from .config import DEFAULT_ITERS, DEFAULT_TIME_BUDGET_S, DEFAULT_WARMUP, BenchConfig
 from .report import all_targets, from_json, render_markdown, summary_lines, write_json, write_report
 from .results import MODES, BenchResult, Mode
@@ -27,6 +24,9 @@ from .workloads import WORKLOADS, Workload, get_workload, workload_names
 
 MIN_ITERS = 30
 EXIT_USAGE = 2
+
+PROG = "python3 benchmarks/bench.py"
+"""How the command is typed from the repository root (the package is not installed)."""
 
 logger = logging.getLogger("attn_backends_bench")
 
@@ -216,10 +216,10 @@ def _finish(result: BenchResult, out: Path | None) -> None:
 def _command_line(argv: list[str]) -> str:
     """The command as a person would retype it, for the record."""
     name = Path(argv[0]).name if argv else ""
-    if name == "attn-backends":
-        return shlex.join(["attn-backends", *argv[1:]])
+    if name == "bench.py":
+        return shlex.join(["python3", argv[0], *argv[1:]])
     if name == "__main__.py":
-        return shlex.join(["python", "-m", "attn_backends_bench", *argv[1:]])
+        return shlex.join(["python3", "-m", "attn_backends_bench", *argv[1:]])
     return shlex.join(argv)
 
 
@@ -232,13 +232,13 @@ def run(args: argparse.Namespace) -> int:
         try:
             result = from_json(render.read_text())
         except (OSError, ValueError) as exc:
-            print(f"attn-backends bench: cannot read {render}: {exc}", file=sys.stderr)
+            print(f"bench: cannot read {render}: {exc}", file=sys.stderr)
             return EXIT_USAGE
         _finish(result, out)
         return 0
     if not torch.cuda.is_available():
         print(
-            "attn-backends bench: no CUDA device here (torch.cuda.is_available() is False). "
+            "bench: no CUDA device here (torch.cuda.is_available() is False). "
             "The benchmark times GPU kernels and only runs on a machine with a CUDA GPU; use "
             "--render bench.json to rebuild a report from an earlier run.",
             file=sys.stderr,
@@ -266,15 +266,8 @@ def run(args: argparse.Namespace) -> int:
     return 0
 
 
-def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m attn_backends_bench")
+def main(argv: list[str] | None = None, prog: str = PROG) -> int:
+    """Parse ``argv`` (default: the process's arguments) and run; returns the exit code."""
+    parser = argparse.ArgumentParser(prog=prog)
     add_arguments(parser)
     return run(parser.parse_args(argv))
-
-
-COMMAND = Subcommand(
-    help="benchmark the no-cache prefill paths on a CUDA GPU",
-    add_arguments=add_arguments,
-    run=run,
-)
-"""``attn-backends bench``, as the ``attn_backends.commands`` entry point declares it."""

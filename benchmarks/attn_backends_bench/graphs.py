@@ -21,17 +21,10 @@ from typing import Protocol
 
 import torch
 
-from attn_backends import (
-    AttentionSpec,
-    FMHAParams,
-    GraphBucket,
-    GraphModeError,
-    GraphPlan,
-    NoBackendError,
-    relative_error,
-    select,
-)
+from attn_backends import AttentionSpec, FMHAParams, GraphBucket, GraphPlan, NoBackendError, select
+from attn_backends.errors import GraphModeError
 from attn_backends.plugin import PrefillBackend, ReasonCode
+from attn_backends.reference import relative_error
 
 from .paths import Unsupported, refusal_text, with_batch_preprocess
 from .timing import synchronize

@@ -21,7 +21,8 @@ from dataclasses import dataclass
 
 import torch
 
-from attn_backends import TOLERANCE, AttentionSpec, FMHAParams, reference_attention, relative_error
+from attn_backends import AttentionSpec, FMHAParams, reference_attention
+from attn_backends.reference import TOLERANCE, relative_error
 
 from .config import GRAPH_TIMINGS, BenchConfig
 from .graphs import (

@@ -19,8 +19,8 @@ from typing import Any
 
 import torch
 
-from attn_backends import AttentionSpec, FMHAParams, rope_passes
-from attn_backends.plugin import RopePass
+from attn_backends import AttentionSpec, FMHAParams
+from attn_backends.plugin import RopePass, rope_passes
 
 from .paths import PreparedPath, Skip, rope_tables, rotate_
 from .ragged import RAGGED_KERNEL, flashinfer_ragged, kernel_name

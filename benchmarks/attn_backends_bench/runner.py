@@ -22,14 +22,8 @@ from datetime import datetime, timezone
 import torch
 
 import attn_backends
-from attn_backends import (
-    AttentionSpec,
-    FMHAParams,
-    clear_selection_cache,
-    detect_platform,
-    get_registry,
-    select,
-)
+from attn_backends import AttentionSpec, FMHAParams, detect_platform, select
+from attn_backends.deploy import clear_selection_cache, get_registry
 from attn_backends.plugin import dtype_name
 
 from .config import DEFAULT_ITERS, DEFAULT_TIME_BUDGET_S, DEFAULT_WARMUP, BenchConfig

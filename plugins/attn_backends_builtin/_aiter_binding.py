@@ -12,11 +12,12 @@ where it takes them, all by keyword. A required parameter they do not know is re
 from __future__ import annotations
 
 import inspect
+import threading
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, Literal
 
-from attn_backends import BackendFailure
+from attn_backends.errors import BackendFailure
 
 from ._aiter_signature import SignatureSource, installed_version, read_signature
 
@@ -153,18 +154,29 @@ def bind_entry(entry: EntryPoint, kernel: Callable[..., Any]) -> EntryBinding:
 _BOUND: dict[EntryPoint, tuple[Callable[..., Any], EntryBinding]] = {}
 """Last binding per entry point, with the function object it was read from: a different object
 (another aiter, a wrapper) is read again. Only the binding is cached, never a batch."""
+_bound_lock = threading.Lock()
 
 
 def binding_for(entry: EntryPoint, kernel: Callable[..., Any]) -> EntryBinding:
-    cached = _BOUND.get(entry)
+    with _bound_lock:
+        cached = _BOUND.get(entry)
     if cached is not None and cached[0] is kernel:
         return cached[1]
-    binding = bind_entry(entry, kernel)
-    _BOUND[entry] = (kernel, binding)
+    binding = bind_entry(entry, kernel)  # outside the lock: it may read aiter's source file
+    with _bound_lock:
+        _BOUND[entry] = (kernel, binding)
     return binding
 
 
 def last_binding(entry: EntryPoint) -> EntryBinding | None:
     """The binding the last ``prepare`` made for ``entry`` in this process, if any."""
-    cached = _BOUND.get(entry)
+    with _bound_lock:
+        cached = _BOUND.get(entry)
     return None if cached is None else cached[1]
+
+
+def clear_bindings() -> None:
+    """Forget every binding: the next ``prepare`` reads aiter's signatures again (an aiter
+    upgraded or reloaded in process, tests)."""
+    with _bound_lock:
+        _BOUND.clear()

@@ -23,14 +23,8 @@ from typing import Any, cast
 
 import torch
 
-from attn_backends import (
-    AttentionSpec,
-    BackendFailure,
-    FMHAParams,
-    ParamsError,
-    Platform,
-    PrefillPlan,
-)
+from attn_backends import AttentionSpec, FMHAParams, Platform, PrefillPlan
+from attn_backends.errors import BackendFailure, ParamsError
 from attn_backends.plugin import PrefillBackend, QKVViews
 
 from ._aiter_binding import (

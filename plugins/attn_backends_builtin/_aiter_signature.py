@@ -17,7 +17,7 @@ import inspect
 from collections.abc import Callable
 from typing import Any, Literal
 
-from attn_backends import BackendFailure
+from attn_backends.errors import BackendFailure
 
 DECLARING_MODULE = "aiter.ops.mha"
 """Where aiter declares every varlen attention entry point (re-exported by ``aiter``)."""

@@ -200,3 +200,9 @@ class StreamBuffers:
                 buffer = torch.empty(self.nbytes, dtype=torch.uint8, device=key[0])
                 self._buffers[key] = buffer
             return buffer
+
+    def clear(self) -> None:
+        """Forget every buffer: the next `get` allocates anew; a plan made before keeps the
+        buffer it holds alive."""
+        with self._lock:
+            self._buffers.clear()

@@ -12,14 +12,15 @@ from __future__ import annotations
 import functools
 import importlib.util
 import logging
+import threading
 import warnings
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 import torch
 
-from attn_backends import BackendFailure
+from attn_backends.errors import BackendFailure
 from attn_backends.plugin import Reason, ReasonCode
 
 if TYPE_CHECKING:
@@ -37,10 +38,26 @@ ScoreMod = Callable[
 
 @dataclass
 class CompileState:
-    """A backend's compiled-kernel health in this process."""
+    """A backend's compiled-kernel health in this process (the compiled kernel is one per
+    process, so is its health); after a failure the eager kernel serves until `reset`."""
 
     failures: int = 0
     last_error: str | None = None
+    _lock: threading.Lock = field(
+        default_factory=threading.Lock, init=False, repr=False, compare=False
+    )
+
+    def record_failure(self, error: str) -> None:
+        """Count one failure of the compiled kernel; concurrent batches lose no count."""
+        with self._lock:
+            self.failures += 1
+            self.last_error = error
+
+    def reset(self) -> None:
+        """Try the compiled kernel again on the next CUDA batch (a toolchain fixed, tests)."""
+        with self._lock:
+            self.failures = 0
+            self.last_error = None
 
 
 def flex_missing_reasons() -> list[Reason]:
@@ -131,8 +148,7 @@ def run_flex(
             q, k, v, score_mod=score_mod, block_mask=block_mask, scale=scale, enable_gqa=gqa
         )
     except Exception as exc:  # a compiler failure must not take attention down with it
-        state.failures += 1
-        state.last_error = f"{type(exc).__name__}: {exc}"
+        state.record_failure(f"{type(exc).__name__}: {exc}")
         logger.warning("%s: compiled flex_attention failed, running eager: %s", backend, exc)
         return _eager_flex(q, k, v, block_mask, scale, gqa, score_mod)
 

@@ -29,7 +29,6 @@ from attn_backends.plugin import (
     AlibiSupport,
     Capabilities,
     PluginManifest,
-    PriorityRule,
     Reason,
     ReasonCode,
     SoftcapSupport,
@@ -42,7 +41,7 @@ from ._aiter_binding import EntryPoint
 from ._aiter_common import NATIVE_FP8, AiterVarlenBackend, local_cu_count
 from ._aiter_features import feature_reasons
 
-API_VERSION = "1.0"
+API_VERSION = "2.0"
 
 ASM_GFX942_CU_COUNTS = frozenset({304, 80, 64})
 """gfx942 parts aiter ships ASM kernel objects for: MI300X/MI325X (304 CUs) and MI308X (80 or 64).
@@ -65,15 +64,13 @@ class AiterAsmBackend(AiterVarlenBackend):
         bidirectional=True,
         needs_contiguous=False,
         requires=("aiter",),
-        priority=(
-            PriorityRule("rocm", 200, note="policy: aiter ASM kernels first where they apply"),
-        ),
     )
 
     def entry_point(self, spec: AttentionSpec) -> EntryPoint:
         return "fmha_v3_varlen_fwd"
 
-    def extra_reasons(self, spec: AttentionSpec, platform: Platform) -> list[Reason]:
+    @classmethod
+    def extra_reasons(cls, spec: AttentionSpec, platform: Platform) -> list[Reason]:
         cus = local_cu_count(platform) if platform.arch == "gfx942" else None
         if cus is None or cus in ASM_GFX942_CU_COUNTS:
             return []
@@ -104,15 +101,13 @@ class AiterNonAsmBackend(AiterVarlenBackend):
         needs_contiguous=False,
         features=(WindowSupport(), SoftcapSupport(), AlibiSupport(with_softcap=False)),
         requires=("aiter",),
-        priority=(
-            PriorityRule("rocm", 100, note="policy: aiter CK kernels before the torch fallback"),
-        ),
     )
 
     def entry_point(self, spec: AttentionSpec) -> EntryPoint:
         return "flash_attn_varlen_fp8_pertensor_func" if spec.is_fp8 else "mha_varlen_fwd"
 
-    def extra_reasons(self, spec: AttentionSpec, platform: Platform) -> list[Reason]:
+    @classmethod
+    def extra_reasons(cls, spec: AttentionSpec, platform: Platform) -> list[Reason]:
         reasons = feature_reasons(spec)
         if not spec.is_fp8:
             return reasons
@@ -147,6 +142,4 @@ class AiterNonAsmBackend(AiterVarlenBackend):
 
 @hookimpl
 def attn_backends_register(host_api_version: str) -> PluginManifest:
-    return PluginManifest(
-        api_version=API_VERSION, backends=[AiterAsmBackend(), AiterNonAsmBackend()]
-    )
+    return PluginManifest(api_version=API_VERSION, backends=[AiterAsmBackend, AiterNonAsmBackend])

@@ -41,10 +41,11 @@ depends on the batch too (its longest sequence, whether it has more than 256 seq
 only on the spec, so this backend lists no `KernelModule` for warm-up's estimate: the count
 would be wrong.
 
-Priority: none yet. fa4 has not passed its conformance suite on hardware (on the H200 of
-2026-12-03 the carried CuTe DSL lacked ``cutlass.cute``, docs/hardware-verification.md), so it
-runs only when chosen by name (``backend="fa4"``, ``ATTN_BACKEND=fa4``); its rank against
-flashinfer and torch-varlen comes from the measurement once it runs.
+Rank: none yet (no row in the ranking table). fa4 has not passed its conformance suite on
+hardware (on the H200 of 2026-12-03 the carried CuTe DSL lacked ``cutlass.cute``,
+docs/hardware-verification.md), so it runs only when chosen by name (``backend="fa4"``,
+``ATTN_BACKEND=fa4``); its row against flashinfer and torch-varlen comes from the measurement
+once it runs.
 """
 
 from __future__ import annotations
@@ -59,7 +60,8 @@ from typing import Any
 
 import torch
 
-from attn_backends import AttentionSpec, BackendFailure, FMHAParams, Platform, PrefillPlan
+from attn_backends import AttentionSpec, FMHAParams, Platform, PrefillPlan
+from attn_backends.errors import BackendFailure
 from attn_backends.plugin import (
     Capabilities,
     PluginManifest,
@@ -73,7 +75,7 @@ from attn_backends.plugin import (
     hookimpl,
 )
 
-API_VERSION = "1.0"
+API_VERSION = "2.0"
 KERNEL = "flash_attn.cute.flash_attn_varlen_func"
 DISTRIBUTION = "flash-attn-4"
 HEAD_DIMS = frozenset(range(8, 257, 8))
@@ -186,10 +188,10 @@ class Fa4Backend(PrefillBackend):
         max_sm=110,
         features=(WindowSupport(), SoftcapSupport(), SinkSupport()),
         requires=("flash_attn",),
-        priority=(),  # chosen by name only until verified on hardware (see the module)
     )
 
-    def extra_reasons(self, spec: AttentionSpec, platform: Platform) -> list[Reason]:
+    @classmethod
+    def extra_reasons(cls, spec: AttentionSpec, platform: Platform) -> list[Reason]:
         reasons: list[Reason] = []
         sm = platform.sm
         if sm is not None and sm // 10 in (10, 11) and spec.head_dim not in BLACKWELL_HEAD_DIMS:
@@ -265,4 +267,4 @@ class Fa4Backend(PrefillBackend):
 
 @hookimpl
 def attn_backends_register(host_api_version: str) -> PluginManifest:
-    return PluginManifest(api_version=API_VERSION, backends=[Fa4Backend()])
+    return PluginManifest(api_version=API_VERSION, backends=[Fa4Backend])

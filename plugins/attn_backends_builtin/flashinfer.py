@@ -51,7 +51,8 @@ from typing import Any
 
 import torch
 
-from attn_backends import AttentionSpec, BackendFailure, FMHAParams, GraphBucket, Platform
+from attn_backends import AttentionSpec, FMHAParams, GraphBucket, Platform
+from attn_backends.errors import BackendFailure
 from attn_backends.plugin import (
     AlibiSupport,
     AnyPlan,
@@ -59,7 +60,6 @@ from attn_backends.plugin import (
     KernelModule,
     PluginManifest,
     PrefillBackend,
-    PriorityRule,
     QKVViews,
     SoftcapSupport,
     WindowSupport,
@@ -87,7 +87,7 @@ from ._flashinfer_common import (
 from ._flashinfer_jit import kernel_module
 from ._flashinfer_rope import FLASHINFER_ROPE
 
-API_VERSION = "1.0"
+API_VERSION = "2.0"
 WORKSPACE_BYTES = 128 << 20
 KERNEL = "flashinfer.BatchPrefillWithRaggedKVCacheWrapper"
 FUSED_ROPE_MAX_SEQLEN = 256
@@ -111,7 +111,9 @@ class WrapperPool:
 
     def __init__(self) -> None:
         self._idle: dict[PoolKey, list[tuple[Any, CompletionMarker]]] = {}
-        self._lock = threading.Lock()
+        self._lock = threading.RLock()
+        """Reentrant: a plan gives its wrapper back from a finalizer, which the garbage
+        collector may run on a thread that already holds the lock (inside `lease`)."""
         self.created = 0
         """Wrappers built so far (tests read it to see reuse)."""
 
@@ -138,6 +140,15 @@ class WrapperPool:
         with self._lock:
             return len(self._idle.get(key, []))
 
+    def clear(self) -> None:
+        """Drop every idle wrapper (8 MiB of device memory each) once its last metadata copy
+        has run; wrappers leased now come back as usual."""
+        with self._lock:
+            dropped = [marker for idle in self._idle.values() for _, marker in idle]
+            self._idle.clear()
+        for marker in dropped:
+            marker.wait()
+
 
 WORKSPACES = StreamBuffers(WORKSPACE_BYTES)
 POOL = WrapperPool()
@@ -159,6 +170,15 @@ def announce_first_use(module: JitModule) -> None:
         "--preset NAME` (or attn_backends.warmup(specs)) at start-up to do this ahead of traffic",
         module,
     )
+
+
+def clear_caches() -> None:
+    """Reset this plugin's process-wide state: the stream workspaces, the idle wrappers, and
+    which JIT modules were announced (announced again on their next first use)."""
+    WORKSPACES.clear()
+    POOL.clear()
+    with _announced_lock:
+        _announced.clear()
 
 
 @dataclass(frozen=True, eq=False)
@@ -224,21 +244,13 @@ class FlashinferBackend(PrefillBackend):
             AlibiSupport(bidirectional=False, custom_slopes=False, with_softcap=False),
         ),
         requires=("flashinfer",),
-        priority=(
-            PriorityRule(
-                "cuda",
-                100,
-                min_sm=80,
-                note="fastest measured wherever RoPE is not fused: BERT-base 0.081 ms, BGE-M3 "
-                "0.110 ms, attention of Qwen3-Embedding 0.465 ms (H200, docs/bench, 2026-11-30)",
-            ),
-        ),
     )
 
-    def _fusion_cases(self, spec: AttentionSpec) -> tuple[bool, ...]:
+    @classmethod
+    def _fusion_cases(cls, spec: AttentionSpec) -> tuple[bool, ...]:
         """Whether batches run fused RoPE: (False,), (True,), or (True, False) when the choice
         is made per batch by length."""
-        caps = self.capabilities
+        caps = cls.capabilities
         if preprocess_mode(spec, caps.fused_rope) != "fused":
             return (False,)
         return (True,) if caps.fused_rope_max_seqlen is None else (True, False)
@@ -258,10 +270,10 @@ class FlashinferBackend(PrefillBackend):
             bound = variant.kernel(fused_rope)
             if bound is not None:
                 return bound
-        return choose_kernel(self.bound_spec(), sm, fused_rope)
+        return choose_kernel(self.spec, sm, fused_rope)
 
     def describe(self, platform: Platform) -> dict[str, str]:
-        spec = self.bound_spec()
+        spec = self.spec
         binding = self.binding_on(platform)
         variant = binding.variant
         assert isinstance(variant, KernelVariant)  # made by kernel_variant above
@@ -288,18 +300,20 @@ class FlashinferBackend(PrefillBackend):
             details["pos_encoding_mode"] = f"ROPE_LLAMA for max_seqlen <= {limit}, else NONE"
         return details
 
-    def jit_modules(self, spec: AttentionSpec, sm: int) -> tuple[JitModule, ...]:
+    @classmethod
+    def jit_modules(cls, spec: AttentionSpec, sm: int) -> tuple[JitModule, ...]:
         """The flashinfer JIT modules this backend loads for ``spec`` on an ``sm`` device."""
         return tuple(
             jit_module(spec, choose_kernel(spec, sm, fused), fused)
-            for fused in self._fusion_cases(spec)
+            for fused in cls._fusion_cases(spec)
         )
 
-    def kernel_modules(self, spec: AttentionSpec, device: torch.device) -> tuple[KernelModule, ...]:
+    @classmethod
+    def kernel_modules(cls, spec: AttentionSpec, device: torch.device) -> tuple[KernelModule, ...]:
         sm = device_sm(device)
         if sm is None:
             return ()
-        return tuple(kernel_module(m) for m in self.jit_modules(spec, sm))
+        return tuple(kernel_module(m) for m in cls.jit_modules(spec, sm))
 
     def accepts_rows(self, rows: torch.Tensor) -> bool:
         return is_aligned(rows)
@@ -401,24 +415,6 @@ class FlashinferRopeBackend(FlashinferBackend):
         FlashinferBackend.capabilities,
         fused_rope=True,
         fused_rope_max_seqlen=FUSED_ROPE_MAX_SEQLEN,
-        priority=(
-            PriorityRule(
-                "cuda",
-                105,
-                min_sm=90,
-                max_sm=90,
-                rope_fusable=True,
-                note="above flashinfer for RoPE it fuses: fa3 + the separate pass on long "
-                "batches, fused RoPE on short ones (short 256x64: 0.096 vs 0.181 ms; "
-                "Qwen3-Embedding: 0.596 vs 0.613 ms; H200, docs/bench, 2026-11-30)",
-            ),
-            PriorityRule(
-                "cuda",
-                80,
-                min_sm=80,
-                note="below flashinfer: fusing not measured off Hopper, nothing to fuse here",
-            ),
-        ),
     )
 
 
@@ -426,6 +422,6 @@ class FlashinferRopeBackend(FlashinferBackend):
 def attn_backends_register(host_api_version: str) -> PluginManifest:
     return PluginManifest(
         api_version=API_VERSION,
-        backends=[FlashinferBackend(), FlashinferRopeBackend()],
+        backends=[FlashinferBackend, FlashinferRopeBackend],
         rope_passes=[FLASHINFER_ROPE],  # flashinfer's in-place RoPE joins the separate passes
     )

@@ -35,7 +35,8 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from attn_backends import AttentionSpec, BackendFailure, FMHAParams, Platform, PrefillPlan
+from attn_backends import AttentionSpec, FMHAParams, Platform, PrefillPlan
+from attn_backends.errors import BackendFailure
 from attn_backends.plugin import (
     AlibiSupport,
     Capabilities,
@@ -43,7 +44,6 @@ from attn_backends.plugin import (
     HeadwiseSupport,
     PluginManifest,
     PrefillBackend,
-    PriorityRule,
     QKVViews,
     Reason,
     SoftcapSupport,
@@ -61,11 +61,17 @@ from attn_backends_builtin._masks import alibi_slopes, mask_terms, score, visibl
 if TYPE_CHECKING:
     from torch.nn.attention.flex_attention import BlockMask
 
-API_VERSION = "1.0"
+API_VERSION = "2.0"
 
 
 COMPILE_STATE = CompileState()
 """The compiled kernel's health in this process; after a failure the eager kernel serves."""
+
+
+def clear_caches() -> None:
+    """Reset this plugin's process-wide state: the compiled kernel's health (shared with
+    ``headwise``), so the next CUDA batch tries the compiled kernel again."""
+    COMPILE_STATE.reset()
 
 
 @dataclass(frozen=True, eq=False)
@@ -93,34 +99,10 @@ class FlexBackend(PrefillBackend):
             HeadwiseSupport(),
             ChunkSupport(),
         ),
-        priority=(
-            PriorityRule(
-                "cpu",
-                10,
-                note="policy, not measured: below torch-sdpa (100), so it serves what SDPA "
-                "cannot express (soft-capping)",
-            ),
-            PriorityRule(
-                "cuda",
-                50,
-                min_sm=80,
-                masked=True,
-                note="measured on H200 (scripts/gpu/feature_backends.py): 5-11x torch-sdpa's "
-                "speed on windowed and ALiBi specs; below flashinfer (100), which serves "
-                "causal windows and causal ALiBi",
-            ),
-            PriorityRule(
-                "cuda",
-                -10,
-                min_sm=80,
-                note="policy, not measured: below flashinfer (100) and torch-sdpa (0) on "
-                "plain specs; serves the soft-capped ones flashinfer refuses (float32, no "
-                "flashinfer installed)",
-            ),
-        ),
     )
 
-    def extra_reasons(self, spec: AttentionSpec, platform: Platform) -> list[Reason]:
+    @classmethod
+    def extra_reasons(cls, spec: AttentionSpec, platform: Platform) -> list[Reason]:
         return flex_missing_reasons()
 
     def describe(self, platform: Platform) -> dict[str, str]:
@@ -129,7 +111,7 @@ class FlexBackend(PrefillBackend):
             "kernel": "torch.nn.attention.flex_attention",
             "flex_mode": "compiled" if platform.kind == "cuda" else "eager",
         }
-        spec = self.bound_spec()
+        spec = self.spec
         if spec.headwise is not None:
             retrieval = len(spec.headwise.retrieval_heads)
             details["retrieval_heads"] = f"{retrieval}/{spec.num_heads}"
@@ -169,4 +151,4 @@ class FlexBackend(PrefillBackend):
 
 @hookimpl
 def attn_backends_register(host_api_version: str) -> PluginManifest:
-    return PluginManifest(api_version=API_VERSION, backends=[FlexBackend()])
+    return PluginManifest(api_version=API_VERSION, backends=[FlexBackend])

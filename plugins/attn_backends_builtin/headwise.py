@@ -3,18 +3,16 @@
 
 Headwise masks (`HeadwiseConfig`) are one more term of flex's mask (`_masks.visible`), and
 ``flex`` declares them: the selector picks ``flex`` for headwise specs. This module registers
-the same backend under the old name, with flex's capabilities and no priority rules, so it
-runs only when chosen by name; it computes exactly what ``flex`` computes.
+the same backend under the old name; the ranking table has no row for it, so it runs only when
+chosen by name; it computes exactly what ``flex`` computes.
 """
 
 from __future__ import annotations
 
-from dataclasses import replace
-
 from attn_backends.plugin import PluginManifest, hookimpl
 from attn_backends_builtin.flex import COMPILE_STATE, FlexBackend, FlexPlan
 
-API_VERSION = "1.0"
+API_VERSION = "2.0"
 
 HeadwisePlan = FlexPlan
 """The plan type of the former backend: flex's."""
@@ -26,9 +24,8 @@ class HeadwiseBackend(FlexBackend):
     """``flex`` under its former name; never picked without an explicit choice."""
 
     name = "headwise"
-    capabilities = replace(FlexBackend.capabilities, priority=())
 
 
 @hookimpl
 def attn_backends_register(host_api_version: str) -> PluginManifest:
-    return PluginManifest(api_version=API_VERSION, backends=[HeadwiseBackend()])
+    return PluginManifest(api_version=API_VERSION, backends=[HeadwiseBackend])

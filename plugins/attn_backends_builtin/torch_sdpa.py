@@ -24,14 +24,14 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from attn_backends import AttentionSpec, BackendFailure, FMHAParams, PrefillPlan
+from attn_backends import AttentionSpec, FMHAParams, PrefillPlan
+from attn_backends.errors import BackendFailure
 from attn_backends.plugin import (
     AlibiSupport,
     Capabilities,
     ChunkSupport,
     PluginManifest,
     PrefillBackend,
-    PriorityRule,
     QKVViews,
     SinkSupport,
     WindowSupport,
@@ -39,7 +39,7 @@ from attn_backends.plugin import (
 )
 from attn_backends_builtin._masks import dense_mask
 
-API_VERSION = "1.0"
+API_VERSION = "2.0"
 
 
 @dataclass(frozen=True)
@@ -80,11 +80,6 @@ class TorchSdpaBackend(PrefillBackend):
         platforms=frozenset({"cpu", "cuda", "rocm"}),
         dtypes=frozenset({torch.float32, torch.float16, torch.bfloat16}),
         features=(WindowSupport(), AlibiSupport(), ChunkSupport(), SinkSupport()),
-        priority=(
-            PriorityRule("cpu", 100, note="default on CPU"),
-            PriorityRule("cuda", 0, note="last resort"),
-            PriorityRule("rocm", 0, note="last resort"),
-        ),
     )
 
     def plan_kernel(self, spec: AttentionSpec, params: FMHAParams, *, fused_rope: bool) -> SdpaPlan:
@@ -168,4 +163,4 @@ def _attend_with_sinks(
 
 @hookimpl
 def attn_backends_register(host_api_version: str) -> PluginManifest:
-    return PluginManifest(api_version=API_VERSION, backends=[TorchSdpaBackend()])
+    return PluginManifest(api_version=API_VERSION, backends=[TorchSdpaBackend])

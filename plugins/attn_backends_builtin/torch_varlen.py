@@ -45,12 +45,12 @@ from typing import Any
 
 import torch
 
-from attn_backends import AttentionSpec, BackendFailure, FMHAParams, Platform, PrefillPlan
+from attn_backends import AttentionSpec, FMHAParams, Platform, PrefillPlan
+from attn_backends.errors import BackendFailure
 from attn_backends.plugin import (
     Capabilities,
     PluginManifest,
     PrefillBackend,
-    PriorityRule,
     QKVViews,
     Reason,
     ReasonCode,
@@ -61,7 +61,7 @@ from attn_backends.plugin import (
 
 from ._flashinfer_common import SIXTEEN_BIT, host_indptr, is_aligned, nonempty_lengths
 
-API_VERSION = "1.0"
+API_VERSION = "2.0"
 VARLEN_MODULE = "torch.nn.attention.varlen"
 KERNEL = f"{VARLEN_MODULE}.varlen_attn"
 FIRST_RELEASE = "2.10"
@@ -266,21 +266,10 @@ class TorchVarlenBackend(PrefillBackend):
         head_dims=HEAD_DIMS,
         min_sm=80,  # mha_varlen_fwd: "FlashAttention only supports Ampere GPUs or newer"
         features=(WindowSupport(), SinkSupport()),
-        priority=(
-            PriorityRule(
-                "cuda",
-                60,
-                min_sm=80,
-                note="measured on H200 (benchmarks/attention_tflops.py, 2026-12-03): 36x the "
-                "speed of torch-sdpa on BGE-M3's 64 texts of 16..512, 2.5x on "
-                "Qwen3-Embedding's 32 of 64..2048 (torch-sdpa wins 1.4-2.2x on batches of one "
-                "length); below flashinfer (100), 1.5-2.7x faster on the same workloads "
-                "(2026-11-29); above flex (50)",
-            ),
-        ),
     )
 
-    def extra_reasons(self, spec: AttentionSpec, platform: Platform) -> list[Reason]:
+    @classmethod
+    def extra_reasons(cls, spec: AttentionSpec, platform: Platform) -> list[Reason]:
         if platform.kind != "cuda":
             return []  # refused by the platform check; probing would import torch._dynamo
         return varlen_reasons(spec, installed_signature(), torch.__version__)
@@ -359,4 +348,4 @@ def rescale_for_sinks(out: torch.Tensor, lse: torch.Tensor, sinks: torch.Tensor)
 
 @hookimpl
 def attn_backends_register(host_api_version: str) -> PluginManifest:
-    return PluginManifest(api_version=API_VERSION, backends=[TorchVarlenBackend()])
+    return PluginManifest(api_version=API_VERSION, backends=[TorchVarlenBackend])

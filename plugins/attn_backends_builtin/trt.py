@@ -26,14 +26,14 @@ from typing import Literal
 
 import torch
 
-from attn_backends import AttentionSpec, BackendFailure, FMHAParams, Platform, PrefillPlan
+from attn_backends import AttentionSpec, FMHAParams, Platform, PrefillPlan
+from attn_backends.errors import BackendFailure
 from attn_backends.plugin import (
     Capabilities,
     InputLayout,
     KernelModule,
     PluginManifest,
     PrefillBackend,
-    PriorityRule,
     QKVViews,
     dtype_name,
     hookimpl,
@@ -51,7 +51,7 @@ from ._flashinfer_common import (
 )
 from ._flashinfer_jit import kernel_module
 
-API_VERSION = "1.0"
+API_VERSION = "2.0"
 KERNEL_SOURCE = "flashinfer.trtllm_fmha_v2_prefill"
 INPUT_LAYOUT = "PACKED_QKV"
 WORKSPACE_BYTES = 16 << 20
@@ -64,6 +64,11 @@ TrtMask = Literal["causal", "padding"]
 WORKSPACES = StreamBuffers(WORKSPACE_BYTES)
 """One workspace per device and stream: the tile counter inside is consumed by each kernel
 before the next one of the same stream runs (see `StreamBuffers`)."""
+
+
+def clear_caches() -> None:
+    """Reset this plugin's process-wide state: the stream workspaces."""
+    WORKSPACES.clear()
 
 
 def trt_mask_mode(causal: bool) -> TrtMask:
@@ -95,16 +100,6 @@ class TrtBackend(PrefillBackend):
         max_sm=90,
         gqa=False,
         requires=("flashinfer",),
-        priority=(
-            PriorityRule(
-                "cuda",
-                90,
-                min_sm=90,
-                max_sm=90,
-                note="below flashinfer: fa3 on views was faster on BERT-base (0.081 vs 0.088 ms) "
-                "and BGE-M3 (0.111 vs 0.128 ms), the MHA shapes trt serves (H200, 2026-11-30)",
-            ),
-        ),
     )
 
     def input_layout(self, spec: AttentionSpec) -> InputLayout:
@@ -114,7 +109,7 @@ class TrtBackend(PrefillBackend):
         return is_aligned(rows)
 
     def describe(self, platform: Platform) -> dict[str, str]:
-        spec = self.bound_spec()
+        spec = self.spec
         return {
             **super().describe(platform),
             "kernel_source": KERNEL_SOURCE,
@@ -123,15 +118,17 @@ class TrtBackend(PrefillBackend):
             "native_tensorrt_llm": "not implemented",
         }
 
-    def jit_modules(self, spec: AttentionSpec, sm: int) -> tuple[JitModule, ...]:
+    @classmethod
+    def jit_modules(cls, spec: AttentionSpec, sm: int) -> tuple[JitModule, ...]:
         """The flashinfer JIT module this backend loads: one per (layout, dtype)."""
         return (JitModule("fmha_v2", dtype_name(spec.dtype), None),)
 
-    def kernel_modules(self, spec: AttentionSpec, device: torch.device) -> tuple[KernelModule, ...]:
+    @classmethod
+    def kernel_modules(cls, spec: AttentionSpec, device: torch.device) -> tuple[KernelModule, ...]:
         sm = device_sm(device)
         if sm is None:
             return ()
-        return tuple(kernel_module(m) for m in self.jit_modules(spec, sm))
+        return tuple(kernel_module(m) for m in cls.jit_modules(spec, sm))
 
     def plan_kernel(self, spec: AttentionSpec, params: FMHAParams, *, fused_rope: bool) -> TrtPlan:
         device = params.device
@@ -179,4 +176,4 @@ class TrtBackend(PrefillBackend):
 
 @hookimpl
 def attn_backends_register(host_api_version: str) -> PluginManifest:
-    return PluginManifest(api_version=API_VERSION, backends=[TrtBackend()])
+    return PluginManifest(api_version=API_VERSION, backends=[TrtBackend])

@@ -22,10 +22,14 @@ from collections.abc import Callable
 from pathlib import Path
 
 import torch
-from attn_backends_bench.paths import qkv_views
 
 import attn_backends as ab
 from attn_backends.testing.graphs import capture_graph
+
+# The benchmark is not installed: import it from this checkout's benchmarks/ folder.
+sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks"))
+
+from attn_backends_bench.paths import qkv_views
 
 BGE = ab.AttentionSpec(16, 16, 64, torch.bfloat16, causal=False)
 WORKLOADS: dict[str, tuple[ab.AttentionSpec, tuple[int, ...]]] = {
@@ -109,8 +113,8 @@ def measure(name: str, spec: ab.AttentionSpec, lengths: tuple[int, ...]) -> dict
 
     ref = ab.reference_attention(qkv, spec, params)
     errors = {
-        "api": ab.relative_error(api(), ref),
-        "raw": ab.relative_error(raw().reshape(tokens, spec.q_width), ref),
+        "api": ab.reference.relative_error(api(), ref),
+        "raw": ab.reference.relative_error(raw().reshape(tokens, spec.q_width), ref),
     }
     for step in (api, raw):
         for _ in range(20):
@@ -156,7 +160,7 @@ def graph_replay(
     return {
         "bucket_rows": rows,
         "replay_equals_eager": bool(torch.equal(out[:tokens], eager[:tokens])),
-        "relative_error": ab.relative_error(out[:tokens], ref),
+        "relative_error": ab.reference.relative_error(out[:tokens], ref),
         "host_us": host_us(graph.replay),
         "latency_ms": latency_ms(graph.replay),
         "throughput_ms": throughput_ms(graph.replay),

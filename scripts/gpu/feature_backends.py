@@ -25,15 +25,20 @@ import time
 from pathlib import Path
 
 import torch
+
+import attn_backends as ab
+from attn_backends import reference_attention
+from attn_backends.reference import relative_error
+
+# The benchmark is not installed: import it from this checkout's benchmarks/ folder.
+sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks"))
+
 from attn_backends_bench.timing import (
     event_block,
     latency_block,
     synchronize,
     time_host_calls,
 )
-
-import attn_backends as ab
-from attn_backends import reference_attention, relative_error
 
 BACKENDS = ("torch-sdpa", "flex")
 TOLERANCE = 2e-2

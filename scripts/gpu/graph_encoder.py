@@ -88,7 +88,7 @@ class Captured:
         replay()
         torch.cuda.synchronize()
         same = bool(torch.equal(self.output[:tokens], model(fresh.clone(), plan)[:tokens]))
-        err = ab.relative_error(self.output[:tokens].float(), eager().float())
+        err = ab.reference.relative_error(self.output[:tokens].float(), eager().float())
         eager_ms, graph_ms = _median_ms(eager), _median_ms(replay)
         return {
             "backend": model.backend.name,

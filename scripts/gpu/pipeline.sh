@@ -44,7 +44,7 @@ step "host profile rc=$?"
 head -12 "$run_dir/host_profile.log"
 
 step "benchmark"
-python3 -m attn_backends_bench --out "$run_dir/bench" ${BENCH_ARGS:-} \
+python3 benchmarks/bench.py --out "$run_dir/bench" ${BENCH_ARGS:-} \
     >"$run_dir/bench.log" 2>&1
 step "bench rc=$?"
 tail -30 "$run_dir/bench.log"

@@ -70,10 +70,13 @@ Backend = FlashinferBackend | TrtBackend
 
 
 def backends() -> list[Backend]:
-    return [FlashinferBackend(), FlashinferRopeBackend(), TrtBackend()]
+    return [FlashinferBackend, FlashinferRopeBackend, TrtBackend]
 
 
 def bench_specs() -> list[AttentionSpec]:
+    benchmarks = str(Path(__file__).resolve().parents[2] / "benchmarks")  # not installed
+    if benchmarks not in sys.path:
+        sys.path.insert(0, benchmarks)
     try:
         from attn_backends_bench.workloads import WORKLOADS
     except ImportError as exc:

@@ -28,10 +28,15 @@ from pathlib import Path
 from typing import NamedTuple
 
 import torch
-from attn_backends_bench.timing import input_set_count, time_steps
 from attn_backends_builtin.flashinfer import FlashinferBackend, FlashinferRopeBackend
 
-from attn_backends import AttentionSpec, FMHAParams, RopeSpec, reference_attention, relative_error
+from attn_backends import AttentionSpec, FMHAParams, RopeSpec, reference_attention
+from attn_backends.reference import relative_error
+
+# The benchmark is not installed: import it from this checkout's benchmarks/ folder.
+sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks"))
+
+from attn_backends_bench.timing import input_set_count, time_steps
 
 LENGTHS = (32, 64, 96, 128, 192, 256, 384, 512, 768, 1024, 2048)
 TOKENS = 16384
@@ -111,8 +116,8 @@ def main() -> int:
     with torch.inference_mode():
         for length in LENGTHS:
             fused = measure(AlwaysFused(), spec, length, args.iters, length, cuda)
-            separate = measure(FlashinferBackend(), spec, length, args.iters, length, cuda)
-            alone = measure(FlashinferBackend(), plain, length, args.iters, length, cuda)
+            separate = measure(FlashinferBackend, spec, length, args.iters, length, cuda)
+            alone = measure(FlashinferBackend, plain, length, args.iters, length, cuda)
             ratios = (fused.ms / separate.ms, separate.ms / alone.ms, fused.ms / alone.ms)
             rows.append(
                 {

@@ -36,21 +36,14 @@ import torch
 from attn_backends_builtin._flashinfer_common import is_aligned
 from attn_backends_builtin._flashinfer_rope import apply_flashinfer_rope, flashinfer_rope_refusal
 
-from attn_backends import (
-    TOLERANCE,
-    AttentionSpec,
-    FMHAParams,
-    NativeBuildError,
-    RopeSpec,
-    reference_attention,
-    relative_error,
-    select,
-)
+from attn_backends import AttentionSpec, FMHAParams, RopeSpec, reference_attention, select
 from attn_backends._backend._reference import _rotate
 from attn_backends._path import _native as native  # the kernels measured: below the public API
 from attn_backends._path._preprocess import apply_preprocess
 from attn_backends._path._rope import PositionTables, build_position_tables
+from attn_backends.errors import NativeBuildError
 from attn_backends.plugin import dtype_name
+from attn_backends.reference import TOLERANCE, relative_error
 
 PAD_VALUE = 1.0e4
 RUNS = 40

@@ -76,7 +76,7 @@ step "tflops rc=$?"
 tail -28 "$run_dir/tflops.log"
 
 step "4c. host time per call (benchmark host mode, 11 workloads)"
-timeout 170 python3 -m attn_backends_bench --out "$run_dir/bench-host" --modes host \
+timeout 170 python3 benchmarks/bench.py --out "$run_dir/bench-host" --modes host \
     --time-budget-s 140 >"$run_dir/bench-host.log" 2>&1
 step "bench host rc=$?"
 tail -24 "$run_dir/bench-host.log"

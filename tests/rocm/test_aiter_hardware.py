@@ -18,6 +18,8 @@ import torch
 from attn_backends_builtin import _aiter_common
 
 import attn_backends as ab
+from attn_backends.deploy import clear_selection_cache, get_registry
+from attn_backends.reference import TOLERANCE, relative_error
 from attn_backends.testing import NoCachePrefillConformance
 
 pytestmark = pytest.mark.rocm
@@ -65,7 +67,7 @@ def _run(
     torch.cuda.synchronize()
     assert out.shape == (params.token_q_num, spec.q_width) and out.dtype == spec.output_dtype
     ref = ab.reference_attention(pristine, spec, params, fp8_scales=fp8_scales)
-    return ab.relative_error(out, ref)
+    return relative_error(out, ref)
 
 
 @pytest.mark.parametrize("causal", [True, False])
@@ -77,7 +79,7 @@ def test_fp8_per_tensor_matches_reference(causal, host_scales):
     dtype = NATIVE_FP8[arch]
     spec = ab.AttentionSpec(16, 4, 128, dtype, causal=causal)
     err = _run("aiter-nonasm", spec, scales=(0.05, 0.2, 0.5), host_scales=host_scales)
-    assert err < ab.TOLERANCE[dtype]
+    assert err < TOLERANCE[dtype]
 
 
 @pytest.mark.parametrize(
@@ -119,7 +121,7 @@ def test_each_backend_launches_its_own_aiter_entry(monkeypatch, backend, dtype, 
     import aiter  # only here: importing aiter needs ROCm
 
     spec = ab.AttentionSpec(16, 4, 128, dtype, causal=causal)
-    entry_of = ab.get_registry().get(backend)
+    entry_of = get_registry().get(backend)
     assert entry_of is not None
     reasons = entry_of.backend.supports(spec, _platform())
     if reasons:
@@ -132,7 +134,7 @@ def test_each_backend_launches_its_own_aiter_entry(monkeypatch, backend, dtype, 
         return real(*args, **kwargs)
 
     monkeypatch.setattr(aiter, entry, spy)
-    ab.clear_selection_cache()
+    clear_selection_cache()
     err = _run(backend, spec)
     assert calls == [entry]
-    assert err < ab.TOLERANCE[dtype]
+    assert err < TOLERANCE[dtype]

@@ -33,7 +33,6 @@ class MatmulSoftmaxBackend(PrefillBackend):
     capabilities = Capabilities(
         platforms=frozenset({"cpu", "cuda", "rocm"}),
         dtypes=frozenset({torch.float32, torch.float16, torch.bfloat16}),
-        # No `priority` rules: installing this plugin never changes what an engine selects.
         # It runs only when chosen by name (select(spec, backend="example-matmul")).
     )
 

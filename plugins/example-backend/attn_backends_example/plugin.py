@@ -7,11 +7,11 @@ from attn_backends.plugin import PluginManifest, hookimpl
 
 from .backend import MatmulSoftmaxBackend
 
-API_VERSION = "1.0"
+API_VERSION = "2.0"
 """The plugin API this package was written against; a host with another major version refuses
 it with a reason naming both versions."""
 
 
 @hookimpl
 def attn_backends_register(host_api_version: str) -> PluginManifest:
-    return PluginManifest(api_version=API_VERSION, backends=[MatmulSoftmaxBackend()])
+    return PluginManifest(api_version=API_VERSION, backends=[MatmulSoftmaxBackend])

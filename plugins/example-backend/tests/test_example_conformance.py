@@ -10,7 +10,8 @@ from __future__ import annotations
 
 import torch
 
-from attn_backends import AttentionSpec, get_registry, select
+from attn_backends import AttentionSpec, select
+from attn_backends.deploy import get_registry
 from attn_backends.testing import NoCachePrefillConformance
 
 

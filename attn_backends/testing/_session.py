@@ -1,4 +1,8 @@
-"""Collected by the pytest plugin when ``--attn-backend`` is given."""
+"""The module the pytest plugin hands pytest when ``--attn-backend`` is given.
+
+It is not named ``test_*``, so no discovery of an installed package collects it: pytest collects
+it only when the plugin names it.
+"""
 
 from __future__ import annotations
 
