@@ -16,17 +16,16 @@ from __future__ import annotations
 
 from ._backend._protocol import CudaGraphPrefill, NoCachePrefill
 from ._backend._reference import reference_attention
-from ._model._errors import AttentionBackendError, NoBackendError, SpecError
-from ._model._features import AlibiSpec, HeadwiseConfig, SlidingWindow
-from ._model._params import FMHAParams
-from ._model._platform import Platform, detect_platform, parse_platform
-from ._model._presets import PRESETS
-from ._model._reasons import Reason, ReasonCode
-from ._model._rope_scaling import RopeScaling
-from ._model._spec import AttentionSpec, RopeSpec
 from ._path._contract import Fp8Scales, PrefillPlan, QKVInput, split_views
 from ._path._graph import GraphBucket, GraphPlan
 from ._select._selector import Candidate, Selection, SelectRequest, select, select_request
+from ._values._errors import AttentionBackendError, NoBackendError, SpecError
+from ._values._features import AlibiSpec, HeadwiseConfig, SlidingWindow
+from ._values._params import FMHAParams
+from ._values._platform import Platform, detect_platform, parse_platform
+from ._values._reasons import Reason, ReasonCode
+from ._values._rope_scaling import RopeScaling
+from ._values._spec import PRESETS, AttentionSpec, RopeSpec
 from ._version import __version__ as __version__
 
 __all__ = [

@@ -19,24 +19,24 @@ from collections.abc import Mapping, Sequence
 import torch
 
 from ._backend._capabilities import check_platform
-from ._cli import _cli_args
-from ._cli._cli_args import CommandLineError, CommandParser, unrecognized
-from ._cli._cli_commands import installed_subcommands
-from ._cli._cli_json import dumps
-from ._cli._cli_spec import spec_from_args
-from ._model._errors import (
+from ._cli import _args
+from ._cli._args import CommandLineError, CommandParser, unrecognized
+from ._cli._commands import installed_subcommands
+from ._cli._spec import spec_from_args
+from ._select._canary import run_canary
+from ._select._registry import get_registry
+from ._select._selector import BACKEND_ENV, Selection, SelectRequest, select_request
+from ._select._warmup import warmup
+from ._values._errors import (
     AttentionBackendError,
     KVCacheFlagError,
     NoBackendError,
     PlatformError,
     SpecError,
 )
-from ._model._platform import Platform, detect_platform
-from ._model._presets import PRESETS
-from ._plugins._registry import get_registry
-from ._select._canary import run_canary
-from ._select._selector import BACKEND_ENV, Selection, SelectRequest, select_request
-from ._select._warmup import warmup
+from ._values._platform import Platform, detect_platform
+from ._values._records import dumps
+from ._values._spec import PRESETS
 from ._version import __version__
 
 __all__ = ["build_parser", "main", "spec_from_args"]
@@ -63,14 +63,14 @@ def _add_platform_args(parser: CommandParser, *, dry_run: bool) -> None:
         where.add_argument(
             "--platform",
             metavar="P",
-            type=_cli_args.platform,
+            type=_args.platform,
             help="dry run for another machine: cpu, cuda:sm90, rocm:gfx942 (library checks "
             "assumed); excludes --device",
         )
     where.add_argument(
         "--device",
         metavar="DEV",
-        type=_cli_args.device,
+        type=_args.device,
         help="device of this machine: cpu, cuda or cuda:N (default: cuda if present, else cpu)",
     )
     parser.add_argument("--json", action="store_true", help="print JSON instead of text")
@@ -83,17 +83,15 @@ def _add_spec_args(parser: CommandParser) -> None:
         "and the fields not given keep the preset's value",
     )
     g.add_argument("--preset", choices=sorted(PRESETS), help="start from a model's spec")
-    g.add_argument("--heads", type=_cli_args.heads, metavar="N", help="query heads")
+    g.add_argument("--heads", type=_args.heads, metavar="N", help="query heads")
     g.add_argument(
         "--kv-heads",
-        type=_cli_args.heads,
+        type=_args.heads,
         metavar="N",
         help="KV heads, dividing --heads (default: the preset's, else --heads)",
     )
-    g.add_argument("--head-dim", type=_cli_args.head_dim, metavar="N", help="head dim")
-    g.add_argument(
-        "--dtype", type=_cli_args.dtype, help="fp16, bf16, fp32, fp8 ... (default: bf16)"
-    )
+    g.add_argument("--head-dim", type=_args.head_dim, metavar="N", help="head dim")
+    g.add_argument("--dtype", type=_args.dtype, help="fp16, bf16, fp32, fp8 ... (default: bf16)")
     mask = g.add_mutually_exclusive_group()
     mask.add_argument(
         "--causal", dest="causal", action="store_true", default=None, help="causal mask"
@@ -102,11 +100,11 @@ def _add_spec_args(parser: CommandParser) -> None:
         "--bidirectional", dest="causal", action="store_false", help="no mask (BERT-like)"
     )
     g.add_argument(
-        "--rope-theta", type=_cli_args.rope_theta, metavar="T", help="enable RoPE with this theta"
+        "--rope-theta", type=_args.rope_theta, metavar="T", help="enable RoPE with this theta"
     )
     g.add_argument(
         "--rotary-dim",
-        type=_cli_args.even_positive_int,
+        type=_args.even_positive_int,
         metavar="N",
         help="partial rotary dims (default: head dim); needs RoPE",
     )
@@ -114,41 +112,41 @@ def _add_spec_args(parser: CommandParser) -> None:
     g.add_argument("--no-rope", action="store_true", help="drop the preset's RoPE")
     g.add_argument(
         "--logn-base",
-        type=_cli_args.logn_base,
+        type=_args.logn_base,
         metavar="N",
         help="enable logn scaling relative to this training context length",
     )
     g.add_argument(
         "--rope-scaling",
-        type=_cli_args.rope_parameters,
+        type=_args.rope_parameters,
         metavar="JSON",
         help="RoPE scaling as a Hugging Face config's rope_parameters (or rope_scaling) dict, "
         'e.g. \'{"rope_type": "linear", "factor": 4}\'; needs RoPE',
     )
     g.add_argument(
         "--max-position-embeddings",
-        type=_cli_args.positive_int,
+        type=_args.positive_int,
         metavar="N",
         help="the config's max_position_embeddings, for --rope-scaling (dynamic needs it; yarn "
         "and longrope derive a missing factor from it)",
     )
     g.add_argument(
         "--window",
-        type=_cli_args.window,
+        type=_args.window,
         metavar="LEFT,RIGHT",
         help="sliding window: the query at i sees keys i-LEFT .. i+RIGHT (RIGHT 0 on causal "
         "specs; HF sliding_window W of Mistral/Qwen2/Gemma is W-1,0)",
     )
     g.add_argument(
         "--chunk-size",
-        type=_cli_args.chunk_size,
+        type=_args.chunk_size,
         metavar="N",
         help="chunked attention: the query at position i sees keys j with i//N == j//N only "
         "(HF attention_chunk_size of Llama 4)",
     )
     g.add_argument(
         "--logit-softcap",
-        type=_cli_args.logit_softcap,
+        type=_args.logit_softcap,
         metavar="CAP",
         help="soft-cap the scaled scores to CAP*tanh(s/CAP) (Gemma 2: 50)",
     )
@@ -363,7 +361,7 @@ def _build() -> tuple[CommandParser, dict[str, CommandParser]]:
     _add_spec_args(p_check)
     p_check.add_argument(
         "--seed",
-        type=_cli_args.non_negative_int,
+        type=_args.non_negative_int,
         default=0,
         metavar="N",
         help="input seed (default 0)",
@@ -388,7 +386,7 @@ def _build() -> tuple[CommandParser, dict[str, CommandParser]]:
     )
     p_warmup.add_argument(
         "--device",
-        type=_cli_args.device,
+        type=_args.device,
         default=None,
         help="cpu, cuda or cuda:<index> (default: cuda when available)",
     )

@@ -6,8 +6,6 @@ the process-wide caches.
 from __future__ import annotations
 
 from ._path._preprocess import clear_preprocess_cache
-from ._plugins._policy import PluginPolicy
-from ._plugins._registry import BackendEntry, PluginRecord, Registry, get_registry, reset_registry
 from ._select._canary import CanaryResult, run_canary
 from ._select._distributed import (
     RankDecision,
@@ -15,6 +13,8 @@ from ._select._distributed import (
     check_consistent_across_ranks,
     select_across_ranks,
 )
+from ._select._policy import PluginPolicy
+from ._select._registry import BackendEntry, PluginRecord, Registry, get_registry, reset_registry
 from ._select._selector import clear_selection_cache
 from ._select._warmup import WarmupReport, WarmupStep, warmup
 

@@ -7,8 +7,8 @@ block lists; ``ATTN_BACKENDS_PLUGIN_TIMEOUT`` bounds each step of loading one pl
 
 from __future__ import annotations
 
-from ._plugins._isolation import PLUGIN_TIMEOUT_ENV
-from ._plugins._policy import DISABLE_ENV, PLUGINS_ENV
+from ._select._isolation import PLUGIN_TIMEOUT_ENV
+from ._select._policy import DISABLE_ENV, PLUGINS_ENV
 from ._select._selector import BACKEND_ENV, STRICT_ENV
 
 __all__ = ["BACKEND_ENV", "DISABLE_ENV", "PLUGINS_ENV", "PLUGIN_TIMEOUT_ENV", "STRICT_ENV"]

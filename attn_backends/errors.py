@@ -6,7 +6,8 @@ the two an engine meets at start-up, are also on the top-level face.
 
 from __future__ import annotations
 
-from ._model._errors import (
+from ._select._distributed import RankMismatchError
+from ._values._errors import (
     AttentionBackendError,
     BackendFailure,
     FeatureNotSupportedError,
@@ -24,7 +25,6 @@ from ._model._errors import (
     ReentrantRegistryError,
     SpecError,
 )
-from ._select._distributed import RankMismatchError
 
 __all__ = [
     "AttentionBackendError",

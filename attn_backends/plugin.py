@@ -3,20 +3,29 @@
 Engines import `attn_backends`; a plugin imports the shared values from there (`AttentionSpec`,
 `FMHAParams`, `Platform`, `PrefillPlan`, the errors) and what only an author needs from here:
 the base class and its plan types, capabilities as data, structured refusals, the hook that
-registers backend classes (with their `Rank` and the RoPE passes a plugin brings, in its
+registers backend classes (with their `Placement` and the RoPE passes a plugin brings, in its
 manifest), and the entry-point groups. The built-in plugins use this module, `attn_backends`
 and `attn_backends.errors` only; an import-linter contract keeps it that way.
 """
 
 from __future__ import annotations
 
-from ._backend._backend import Binding, PrefillBackend
+from ._backend._backend import Binding, KernelModule, PrefillBackend
 from ._backend._capabilities import Capabilities, check_capabilities
-from ._backend._kernels import KernelModule
 from ._backend._protocol import BackendClass
-from ._cli._cli_commands import COMMAND_GROUP, Subcommand
-from ._model._dtypes import dtype_name
-from ._model._feature_table import (
+from ._cli._commands import COMMAND_GROUP, Subcommand
+from ._path._contract import AnyPlan, InputLayout, QKVViews
+from ._path._preprocess import preprocess_mode
+from ._path._rope_passes import RopePass, register_rope_pass, rope_passes
+from ._select._hooks import (
+    ENTRY_POINT_GROUP,
+    PLUGIN_API_VERSION,
+    Placement,
+    PluginManifest,
+    hookimpl,
+)
+from ._values._dtypes import dtype_name
+from ._values._feature_table import (
     AlibiSupport,
     ChunkSupport,
     FeatureSupport,
@@ -27,12 +36,8 @@ from ._model._feature_table import (
     SoftcapSupport,
     WindowSupport,
 )
-from ._model._features import bloom_alibi_slopes
-from ._model._reasons import Reason, ReasonCode
-from ._path._contract import AnyPlan, InputLayout, QKVViews
-from ._path._preprocess import preprocess_mode
-from ._path._rope_passes import RopePass, register_rope_pass, rope_passes
-from ._plugins._hooks import ENTRY_POINT_GROUP, PLUGIN_API_VERSION, PluginManifest, Rank, hookimpl
+from ._values._features import bloom_alibi_slopes
+from ._values._reasons import Reason, ReasonCode
 
 __all__ = [
     "COMMAND_GROUP",
@@ -50,10 +55,10 @@ __all__ = [
     "InputLayout",
     "KernelModule",
     "MlaSupport",
+    "Placement",
     "PluginManifest",
     "PrefillBackend",
     "QKVViews",
-    "Rank",
     "Reason",
     "ReasonCode",
     "RopePass",

@@ -9,29 +9,29 @@ import attn_backends.plugin as abp
 
 
 class StaticPlugin:
-    """Registers the given backend classes, with their ranks, at the host's API version.
+    """Registers the given backend classes, with their placements, at the host's API version.
 
-    ``first_on``: a platform kind on which each backend ranks right before ``torch-sdpa``
+    ``first_on``: a platform kind on which each backend stands right before ``torch-sdpa``
     (the one built-in every test registry holds), the usual way a test backend wins.
     """
 
     def __init__(
         self,
         *backends: object,
-        ranks: Sequence[abp.Rank] = (),
+        placements: Sequence[abp.Placement] = (),
         first_on: str | None = None,
     ) -> None:
         self.backends = backends
         placed = [
-            abp.Rank(str(getattr(b, "name", "")), before="torch-sdpa", platform=first_on)  # type: ignore[arg-type]
+            abp.Placement(str(getattr(b, "name", "")), before="torch-sdpa", platform=first_on)  # type: ignore[arg-type]
             for b in (backends if first_on is not None else ())
         ]  # names read only when asked for: a test backend's name may raise on purpose
-        self.ranks = (*ranks, *placed)
+        self.placements = (*placements, *placed)
 
     @abp.hookimpl
     def attn_backends_register(self, host_api_version: str) -> abp.PluginManifest:
         return abp.PluginManifest(
             api_version=abp.PLUGIN_API_VERSION,
             backends=list(self.backends),  # type: ignore[arg-type]
-            ranks=list(self.ranks),
+            placements=list(self.placements),
         )

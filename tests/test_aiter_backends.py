@@ -932,9 +932,9 @@ def test_selection_on_gfx942_prefers_asm_for_bf16_d128():
     selection = ab.select(spec_of(), platform="rocm:gfx942")
     assert selection.name == "aiter-asm" and selection.source == "ranking"
     cands = _verdicts(selection)
-    assert cands["aiter-asm"].rank == 1
-    assert cands["aiter-nonasm"].verdict == "eligible" and cands["aiter-nonasm"].rank == 2
-    assert cands["torch-sdpa"].verdict == "eligible" and cands["torch-sdpa"].rank == 3
+    assert cands["aiter-asm"].place == 1
+    assert cands["aiter-nonasm"].verdict == "eligible" and cands["aiter-nonasm"].place == 2
+    assert cands["torch-sdpa"].verdict == "eligible" and cands["torch-sdpa"].place == 3
     assert dict(selection.details)["aiter_entry"] == "fmha_v3_varlen_fwd"
     text = selection.explain()
     assert "selected: aiter-asm (by ranking)" in text

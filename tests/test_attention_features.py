@@ -294,11 +294,13 @@ def test_softcap_is_refused_by_torch_sdpa_with_the_reason():
     assert "logit_softcap" in str(info.value)
 
 
-def _registry_with(*backends: type[abp.PrefillBackend], ranks: list[abp.Rank]) -> Registry:
+def _registry_with(
+    *backends: type[abp.PrefillBackend], placements: list[abp.Placement]
+) -> Registry:
     from tests.static_plugin import StaticPlugin
 
     registry = Registry()
-    registry.register_plugin(StaticPlugin(*backends, ranks=ranks), name="features-test")
+    registry.register_plugin(StaticPlugin(*backends, placements=placements), name="features-test")
     return registry
 
 
@@ -311,8 +313,8 @@ def test_selector_falls_through_to_a_backend_declaring_the_feature():
             platforms=frozenset({"cpu"}), dtypes=frozenset({torch.float32})
         )
 
-    first = abp.Rank("plain", before="torch-sdpa", platform="cpu")
-    registry = _registry_with(Plain, TorchSdpaBackend, ranks=[first])
+    first = abp.Placement("plain", before="torch-sdpa", platform="cpu")
+    registry = _registry_with(Plain, TorchSdpaBackend, placements=[first])
     plain = ab.select(spec_of(), platform=CPU, registry=registry)
     assert plain.name == "plain"
     for kw, code in (

@@ -20,8 +20,8 @@ import attn_backends as ab
 import attn_backends.plugin as abp
 import attn_backends.reference
 from attn_backends._backend import _reference
-from attn_backends._model._feature_table import CHUNK
 from attn_backends._select._selector import _spec_line
+from attn_backends._values._feature_table import CHUNK
 from attn_backends.testing.cases import conformance_cases, refusal_cases
 from attn_backends.testing.suite import run_case
 from tests.spec_support import batch

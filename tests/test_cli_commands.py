@@ -11,7 +11,7 @@ from importlib.metadata import EntryPoint
 import pytest
 
 from attn_backends import cli
-from attn_backends._cli import _cli_commands
+from attn_backends._cli import _commands
 from attn_backends.plugin import COMMAND_GROUP, Subcommand
 
 
@@ -35,7 +35,7 @@ def installed(monkeypatch):
     def install(**declared: str) -> None:
         entries = [EntryPoint(name, value, COMMAND_GROUP) for name, value in declared.items()]
         monkeypatch.setattr(
-            _cli_commands,
+            _commands,
             "entry_points",
             lambda group: entries if group == COMMAND_GROUP else [],
         )
@@ -72,7 +72,7 @@ def test_a_broken_entry_point_leaves_out_its_own_command_only(
     installed, capsys, caplog, value, problem
 ):
     installed(broken=value, greet=f"{__name__}:GREET")
-    with caplog.at_level(logging.WARNING, logger=_cli_commands.__name__):
+    with caplog.at_level(logging.WARNING, logger=_commands.__name__):
         assert cli.main(["greet", "--name", "Ada"]) == 0  # the others still work
         assert cli.main(["list", "--platform", "cpu"]) == 0
     assert f"command 'broken' from {value} is left out: {problem}" in caplog.text
@@ -83,7 +83,7 @@ def test_a_broken_entry_point_leaves_out_its_own_command_only(
 
 def test_a_subcommand_cannot_replace_a_built_in(installed, capsys, caplog):
     installed(list=f"{__name__}:GREET")
-    with caplog.at_level(logging.WARNING, logger=_cli_commands.__name__):
+    with caplog.at_level(logging.WARNING, logger=_commands.__name__):
         assert cli.main(["list", "--platform", "cpu"]) == 0
     assert "hello" not in capsys.readouterr().out
     assert "command 'list'" in caplog.text and "the name is taken" in caplog.text

@@ -14,7 +14,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from attn_backends._model._errors import IntegrationError
+from attn_backends._values._errors import IntegrationError
 from attn_backends.integrations import transformers as abt
 from attn_backends.integrations.compiled import compile_ready, prefill
 

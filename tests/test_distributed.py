@@ -25,9 +25,9 @@ from torch.multiprocessing.spawn import start_processes
 
 import attn_backends as ab
 import attn_backends.plugin as abp
-from attn_backends._model import _json
-from attn_backends._plugins._registry import RegistrySnapshot
 from attn_backends._select._distributed import rank_fingerprint
+from attn_backends._select._registry import RegistrySnapshot
+from attn_backends._values import _records
 from attn_backends.deploy import (
     RankDecision,
     Registry,
@@ -302,8 +302,8 @@ class _GraphTwin(torch_sdpa.TorchSdpaBackend):
 def test_graph_mode_and_a_whole_request_reach_the_rank_helper() -> None:
     reg = Registry()
     reg.register_plugin(torch_sdpa, name="torch-sdpa")
-    below = abp.Rank("graph-sdpa", after="torch-sdpa", platform="cpu")
-    reg.register_plugin(StaticPlugin(_GraphTwin, ranks=[below]), name="graph")
+    below = abp.Placement("graph-sdpa", after="torch-sdpa", platform="cpu")
+    reg.register_plugin(StaticPlugin(_GraphTwin, placements=[below]), name="graph")
     assert select_across_ranks(SPEC, platform="cpu", registry=reg).name == "torch-sdpa"
     graph = select_across_ranks(SPEC, platform="cpu", registry=reg, cuda_graph=True)
     assert graph.name == "graph-sdpa" and graph.cuda_graph
@@ -319,7 +319,7 @@ def test_graph_mode_and_a_whole_request_reach_the_rank_helper() -> None:
 
 
 def test_rank_mismatch_error_lives_beside_rank_decision() -> None:
-    errors = Path(ab._model._errors.__file__).read_text()
+    errors = Path(ab._values._errors.__file__).read_text()
     imported = {
         node.module
         for node in ast.walk(ast.parse(errors))
@@ -333,9 +333,9 @@ def test_rank_mismatch_error_lives_beside_rank_decision() -> None:
 
 def test_a_rank_decision_travels_as_strict_json() -> None:
     decision = RankDecision(0, "cpu", None, None, error="inf", error_type="ValueError")
-    payload = _json.dumps(dataclasses.asdict(decision), indent=None)
+    payload = _records.dumps(dataclasses.asdict(decision), indent=None)
     assert json.loads(payload) == dataclasses.asdict(decision)
-    assert json.loads(_json.dumps({"x": float("nan")}, indent=None)) == {
+    assert json.loads(_records.dumps({"x": float("nan")}, indent=None)) == {
         "x": None,
         "x_not_finite": "nan",
     }

@@ -231,7 +231,7 @@ def test_not_ranked_so_chosen_by_name_only():
     default = ab.select(spec, platform="cuda:sm90")
     assert default.name != "fa4"
     fa4_candidate = next(c for c in default.candidates if c.name == "fa4")
-    assert fa4_candidate.verdict == "not ranked" and fa4_candidate.rank is None
+    assert fa4_candidate.verdict == "not ranked" and fa4_candidate.place is None
     assert [r.code for r in fa4_candidate.reasons] == [ab.ReasonCode.NOT_RANKED]
     assert ab.select(spec, backend="fa4", platform="cuda:sm90").name == "fa4"
 

@@ -16,8 +16,8 @@ import attn_backends as ab
 import attn_backends.plugin as abp
 import attn_backends.reference
 from attn_backends._backend import _reference
-from attn_backends._model import _feature_table, _features
 from attn_backends._select._selector import _spec_line
+from attn_backends._values import _feature_table, _features
 from attn_backends.testing.cases import conformance_cases, refusal_cases
 
 CPU = ab.detect_platform("cpu")

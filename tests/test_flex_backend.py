@@ -63,7 +63,7 @@ def test_selector_picks_flex_for_softcap_on_cpu(registry):
 def test_selector_keeps_torch_sdpa_where_it_serves_the_spec_on_cpu(registry, kw):
     sel = ab.select(spec_of(True, **kw), platform=CPU, registry=registry)
     assert sel.name == "torch-sdpa"
-    ranked = {c.name: c.rank for c in sel.candidates}
+    ranked = {c.name: c.place for c in sel.candidates}
     flex_rank, sdpa_rank = ranked["flex"], ranked["torch-sdpa"]
     # ranks are places in line (1: tried first): flex stands after torch-sdpa on CPU
     assert flex_rank is not None and sdpa_rank is not None and sdpa_rank < flex_rank

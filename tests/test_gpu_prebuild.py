@@ -25,7 +25,7 @@ pytestmark = pytest.mark.skipif(
 @pytest.fixture(scope="module")
 def prebuild() -> ModuleType:
     spec = importlib.util.spec_from_file_location(
-        "attn_backends_prebuild", ROOT / "scripts" / "gpu" / "prebuild.py"
+        "attn_backends_prebuild", ROOT / "benchmarks" / "gpu" / "prebuild.py"
     )
     assert spec is not None and spec.loader is not None
     module = importlib.util.module_from_spec(spec)

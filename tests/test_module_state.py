@@ -25,8 +25,8 @@ from attn_backends_builtin._flashinfer_common import CompletionMarker, StreamBuf
 from attn_backends_builtin._flex_kernel import CompileState
 
 import attn_backends as ab
-from attn_backends._model import _platform
 from attn_backends._path import _preprocess, _rope_passes
+from attn_backends._values import _platform
 from attn_backends.integrations import _hf_mask, _hf_models, _layout, _packed, _registered
 from attn_backends.integrations import transformers as hf
 

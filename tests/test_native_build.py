@@ -30,7 +30,7 @@ from torch.utils.file_baton import FileBaton
 import attn_backends as ab
 import attn_backends.errors
 from attn_backends._path import _native, _preprocess
-from attn_backends._path._build_lock import build_lock
+from attn_backends._path._native._lock import build_lock
 from attn_backends._path._preprocess import choose_preprocess
 
 LIBRARY = "attn_backends_rope_logn.so"

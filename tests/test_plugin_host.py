@@ -37,7 +37,7 @@ import attn_backends.reference
 from attn_backends import cli
 from attn_backends._backend import _validation
 from attn_backends._path import _preprocess, _rope_passes
-from attn_backends._plugins import _isolation
+from attn_backends._select import _isolation
 from tests.plugin_site import PluginSite, open_site
 from tests.static_plugin import StaticPlugin
 
@@ -416,8 +416,8 @@ def test_one_bad_backend_of_a_plugin_leaves_its_good_ones() -> None:
     reg = ab.deploy.Registry()
     reg.register_plugin(torch_sdpa, name="torch-sdpa")
     bad = _backend("vendor-bad", _tampered(_EAGER, head_dims=16))
-    first = abp.Rank("vendor-good", before="torch-sdpa", platform="cpu")
-    plugin = StaticPlugin(bad, _backend("vendor-good"), ranks=[first])
+    first = abp.Placement("vendor-good", before="torch-sdpa", platform="cpu")
+    plugin = StaticPlugin(bad, _backend("vendor-good"), placements=[first])
     record = reg.register_plugin(plugin, name="vendor")
     assert record.status == "loaded"
     assert record.backends == ("vendor-good",)
@@ -430,61 +430,64 @@ def test_one_bad_backend_of_a_plugin_leaves_its_good_ones() -> None:
 # ---- malformed ranks: refused at registration, that rank alone ---------------------------------
 
 RANK_FAULTS: dict[str, tuple[object, str]] = {
-    "not-a-rank": ("vendor before torch-sdpa", "ranks must hold Rank values, got str"),
+    "not-a-rank": ("vendor before torch-sdpa", "placements must hold Placement values, got str"),
     "not-its-backend": (
-        abp.Rank("torch-sdpa", after="flex"),
+        abp.Placement("torch-sdpa", after="flex"),
         "torch-sdpa after flex: 'torch-sdpa' is not a backend this plugin registers",
     ),
     "before-and-after": (
-        abp.Rank("vendor", before="torch-sdpa", after="flex"),
-        "Rank('vendor') needs exactly one of before= and after=",
+        abp.Placement("vendor", before="torch-sdpa", after="flex"),
+        "Placement('vendor') needs exactly one of before= and after=",
     ),
-    "neither": (abp.Rank("vendor"), "Rank('vendor') needs exactly one of before= and after="),
+    "neither": (
+        abp.Placement("vendor"),
+        "Placement('vendor') needs exactly one of before= and after=",
+    ),
     "next-to-itself": (
-        abp.Rank("vendor", before="vendor"),
+        abp.Placement("vendor", before="vendor"),
         "vendor before vendor: a backend cannot be placed next to itself",
     ),
     "platform-unknown": (
-        abp.Rank("vendor", before="torch-sdpa", platform="gpu"),  # type: ignore[arg-type]
+        abp.Placement("vendor", before="torch-sdpa", platform="gpu"),  # type: ignore[arg-type]
         "vendor before torch-sdpa on gpu: platform must be one of cpu, cuda, rocm or None",
     ),
     "anchor-name": (
-        abp.Rank("vendor", after="a,b"),
+        abp.Placement("vendor", after="a,b"),
         "vendor after a,b: the backend it is placed next to: name 'a,b' must be 1-100 letters",
     ),
     "anchor-not-str": (
-        abp.Rank("vendor", before=42),  # type: ignore[arg-type]
+        abp.Placement("vendor", before=42),  # type: ignore[arg-type]
         "vendor before 42: the backend it is placed next to: name must be a str, got int",
     ),
     "note-not-str": (
-        abp.Rank("vendor", before="torch-sdpa", note=3),  # type: ignore[arg-type]
-        "Rank('vendor').note must be a str",
+        abp.Placement("vendor", before="torch-sdpa", note=3),  # type: ignore[arg-type]
+        "Placement('vendor').note must be a str",
     ),
 }
-"""A rank a plugin declares -> the problem its record must hold after ``rank refused: ``."""
+"""A rank a plugin declares -> the problem its record must hold after ``placement refused: ``."""
 
 
 @pytest.mark.parametrize("fault", sorted(RANK_FAULTS))
 def test_a_malformed_rank_is_refused_alone(fault: str) -> None:
     bad, error = RANK_FAULTS[fault]
-    good = abp.Rank("vendor-good", after="torch-sdpa", platform="cpu")
+    good = abp.Placement("vendor-good", after="torch-sdpa", platform="cpu")
     reg = ab.deploy.Registry()
     reg.register_plugin(torch_sdpa, name="torch-sdpa")
-    plugin = StaticPlugin(_backend("vendor"), _backend("vendor-good"), ranks=[bad, good])  # type: ignore[list-item]
+    plugin = StaticPlugin(_backend("vendor"), _backend("vendor-good"), placements=[bad, good])  # type: ignore[list-item]
     record = reg.register_plugin(plugin, name="vendor")
     assert record.status == "loaded"
     assert record.backends == ("vendor", "vendor-good")
-    assert f"rank refused: {error}" in (record.error or "")
+    assert f"placement refused: {error}" in (record.error or "")
     entry = reg.get("vendor")
-    assert entry is not None and entry.ranks == ()
+    assert entry is not None and entry.placements == ()
     sel = ab.select(SPEC, device="cpu", registry=reg)
     assert sel.name == "torch-sdpa"
     vendor = _candidate(sel, "vendor")
-    assert (vendor.verdict, vendor.rank) == ("not ranked", None)
+    assert (vendor.verdict, vendor.place) == ("not ranked", None)
     assert [r.code for r in vendor.reasons] == [ab.ReasonCode.NOT_RANKED]
     placed = _candidate(sel, "vendor-good")
-    assert (placed.verdict, placed.rank) == ("eligible", 2), "the plugin's good rank still holds"
-    assert f"rank refused: {error}" in sel.explain()
+    assert (placed.verdict, placed.place) == ("eligible", 2), "the plugin's good rank still holds"
+    assert f"placement refused: {error}" in sel.explain()
     assert ab.select(SPEC, device="cpu", backend="vendor", registry=reg).name == "vendor"
     _sdpa_still_works(reg)
 
@@ -606,8 +609,8 @@ def _candidates_of(
 
 def test_a_plugin_can_never_silently_take_over(monkeypatch: pytest.MonkeyPatch) -> None:
     reg = _loaded(ab.deploy.Registry(), ab.deploy.PluginPolicy())
-    placed = abp.Rank("before-flashinfer", before="flashinfer")
-    plugin = StaticPlugin(_ServesEverything, _PlacedBeforeFlashinfer, ranks=[placed])
+    placed = abp.Placement("before-flashinfer", before="flashinfer")
+    plugin = StaticPlugin(_ServesEverything, _PlacedBeforeFlashinfer, placements=[placed])
     assert reg.register_plugin(plugin, name="vendor").error is None
     for spec in TAKEOVER_SPECS:
         for platform in ("cpu", "cuda:sm80", "cuda:sm90", "rocm:gfx942"):
@@ -630,16 +633,16 @@ def test_a_plugin_can_never_silently_take_over(monkeypatch: pytest.MonkeyPatch) 
     monkeypatch.delenv("ATTN_BACKEND")
     gpu = ab.select(TAKEOVER_SPECS[1], platform="cuda:sm90", registry=reg)
     assert gpu.name == "before-flashinfer"
-    mine, theirs = _candidate(gpu, "before-flashinfer").rank, _candidate(gpu, "flashinfer").rank
+    mine, theirs = _candidate(gpu, "before-flashinfer").place, _candidate(gpu, "flashinfer").place
     assert mine is not None and theirs == mine + 1
-    assert f"decided by: plugin rank: {placed.describe()}" in gpu.explain()
+    assert f"decided by: plugin placement: {placed.describe()}" in gpu.explain()
 
 
 # ---- impostors: a built-in name cannot be taken -------------------------------------------------
 
 _IMPOSTOR = """
 import torch
-from attn_backends.plugin import Capabilities, PluginManifest, Rank, hookimpl
+from attn_backends.plugin import Capabilities, PluginManifest, Placement, hookimpl
 from attn_backends_builtin.torch_sdpa import TorchSdpaBackend
 
 class Impostor(TorchSdpaBackend):  # keeps the name torch-sdpa
@@ -647,7 +650,7 @@ class Impostor(TorchSdpaBackend):  # keeps the name torch-sdpa
 
 @hookimpl
 def attn_backends_register(host_api_version):
-    return PluginManifest("2.0", [Impostor], ranks=[Rank("torch-sdpa", before="flex")])
+    return PluginManifest("2.0", [Impostor], placements=[Placement("torch-sdpa", before="flex")])
 """
 
 
@@ -787,7 +790,7 @@ def test_binding_must_make_the_judged_backend(fault: str) -> None:
     assert sel.candidates[0].name == sel.name
     other = _candidate(sel, cls.name)
     assert other.verdict == "rejected"
-    assert other.rank == 1, "it was first in line, and passed over"
+    assert other.place == 1, "it was first in line, and passed over"
     assert error in other.reasons[0].message
     with pytest.raises(ab.NoBackendError, match="not swapped") as info:
         ab.select(SPEC, device="cpu", registry=reg, backend=cls.name)
@@ -1153,26 +1156,28 @@ def _guide_block(marker: str) -> str:
     return found[0]
 
 
-def test_the_guides_rank_example_places_the_backend_before_flashinfer_on_cuda_only() -> None:
-    names: dict[str, object] = {"Rank": abp.Rank}
-    exec(_guide_block("Rank("), names)
-    ranks = names["ranks"]
-    assert isinstance(ranks, list) and len(ranks) == 1
-    rank = ranks[0]
-    assert isinstance(rank, abp.Rank)
-    assert (rank.backend, rank.before, rank.platform) == ("my-vendor-fmha", "flashinfer", "cuda")
+def test_the_guides_placement_example_puts_the_backend_before_flashinfer_on_cuda_only() -> None:
+    names: dict[str, object] = {"Placement": abp.Placement}
+    exec(_guide_block("Placement("), names)
+    placements = names["placements"]
+    assert isinstance(placements, list) and len(placements) == 1
+    placement = placements[0]
+    assert isinstance(placement, abp.Placement)
+    assert (placement.backend, placement.before, placement.platform) == (
+        "my-vendor-fmha",
+        "flashinfer",
+        "cuda",
+    )
     mine = _backend("my-vendor-fmha", torch_sdpa.TorchSdpaBackend.capabilities)
     reg = _loaded(ab.deploy.Registry(), ab.deploy.PluginPolicy())
-    record = reg.register_plugin(StaticPlugin(mine, ranks=ranks), name="guide")
+    record = reg.register_plugin(StaticPlugin(mine, placements=placements), name="guide")
     assert (record.status, record.error) == ("loaded", None)
     spec = ab.AttentionSpec(8, 8, 64, torch.float16, causal=True)
     sel = ab.select(spec, platform="cuda:sm90", registry=reg)
     assert sel.name == "my-vendor-fmha"
-    assert f"decided by: plugin rank: {rank.describe()}" in sel.explain()
-    cpu = ab.select(
-        spec, platform="cpu", registry=reg
-    )  # "never makes your backend the CPU default"
-    assert cpu.name == "torch-sdpa"
+    assert f"decided by: plugin placement: {placement.describe()}" in sel.explain()
+    cpu = ab.select(spec, platform="cpu", registry=reg)
+    assert cpu.name == "torch-sdpa", "never makes your backend the CPU default"
     assert _candidate(cpu, "my-vendor-fmha").verdict == "not ranked"
 
 

@@ -114,7 +114,7 @@ def test_installing_a_plugin_never_changes_the_default_choice(example_site: Plug
         assert cand.verdict == "not ranked"
         assert [r.code for r in cand.reasons] == [ab.ReasonCode.NOT_RANKED]
         assert "example-matmul (plugin example-matmul)" in chosen.explain()
-        assert "no row of the ranking table or plugin rank for" in cand.reasons[0].message
+        assert "no row of the ranking table nor a plugin placement for" in cand.reasons[0].message
         assert "chosen only when named" in chosen.explain()
 
 
@@ -231,8 +231,8 @@ class _SecondChoice(torch_sdpa.TorchSdpaBackend):
 
 def _second_choice() -> StaticPlugin:
     """`_SecondChoice`, ranked right after torch-sdpa on the CPU: the fallback."""
-    after = abp.Rank("second-choice", after="torch-sdpa", platform="cpu", note="test fallback")
-    return StaticPlugin(_SecondChoice, ranks=[after])
+    after = abp.Placement("second-choice", after="torch-sdpa", platform="cpu", note="test fallback")
+    return StaticPlugin(_SecondChoice, placements=[after])
 
 
 def test_disabled_backend_is_a_rejected_candidate_and_env_keys_the_cache(
@@ -245,8 +245,8 @@ def test_disabled_backend_is_a_rejected_candidate_and_env_keys_the_cache(
     sel = ab.select(SPEC, platform="cpu", registry=reg)  # same registry, same cache
     assert sel.name == "second-choice"
     assert (
-        sel.candidates[0].ranked_by
-        == "plugin rank: second-choice after torch-sdpa on cpu (test fallback)"
+        sel.candidates[0].placed_by
+        == "plugin placement: second-choice after torch-sdpa on cpu (test fallback)"
     )
     cand = _candidate(sel, "torch-sdpa")
     assert cand.verdict == "rejected"

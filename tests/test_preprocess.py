@@ -17,8 +17,6 @@ from attn_backends_builtin._flashinfer_rope import FLASHINFER_ROPE, flashinfer_r
 import attn_backends as ab
 import attn_backends.reference
 from attn_backends._backend._reference import _rotate
-from attn_backends._model._errors import NativeBuildError
-from attn_backends._model._platform import PlatformKind
 from attn_backends._path import _native, _preprocess
 from attn_backends._path._preprocess import (
     NATIVE,
@@ -30,6 +28,8 @@ from attn_backends._path._preprocess import (
     resolve_preprocess,
 )
 from attn_backends._path._rope import apply_rope_logn, build_position_tables
+from attn_backends._values._errors import NativeBuildError
+from attn_backends._values._platform import PlatformKind
 
 QWEN3 = ab.AttentionSpec(16, 8, 128, torch.bfloat16, causal=True, rope=ab.RopeSpec(1e6))
 FLASHINFER = (("aiter", None), ("flashinfer", "0.7.0.post1"), ("tensorrt_llm", None))

@@ -68,7 +68,7 @@ def test_every_builtin_selection_of_the_conformance_cases_is_a_row_of_the_table(
         sel = ab.select(spec, platform=platform)
         assert sel.name == name, (spec, where)
         chosen = next(c for c in sel.candidates if c.verdict == "selected")
-        assert chosen.ranked_by is not None and chosen.ranked_by.startswith(f"row {row}: ")
+        assert chosen.placed_by is not None and chosen.placed_by.startswith(f"row {row}: ")
         assert f"decided by: row {row}: {name} on " in sel.explain()
         decided += 1
     assert decided > 0, f"no conformance case was served on {where}"

@@ -21,10 +21,10 @@ import attn_backends.plugin as abp
 from attn_backends._backend import _backend
 from attn_backends._backend._capabilities import Capabilities
 from attn_backends._backend._reference import TOLERANCE, reference_attention, relative_error
-from attn_backends._model._fingerprint import canonical_json
 from attn_backends._path import _native, _preprocess
 from attn_backends._path._preprocess import apply_torch_pass, choose_preprocess, native_refusal
 from attn_backends._select._ranking import Row
+from attn_backends._values._records import canonical_json
 from attn_backends.errors import GraphModeError
 from attn_backends.plugin import preprocess_mode
 from tests.fakes import fake_flashinfer_rope

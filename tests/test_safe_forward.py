@@ -254,7 +254,7 @@ def test_fp8_with_rope_is_refused_unless_the_backend_rotates_before_quantising()
 def test_a_device_named_without_index_is_the_one_tensors_report(monkeypatch):
     """Tensors on "cuda" report "cuda:N"; comparisons resolve the name first (the canary once
     failed every backend on `check --device cuda` for comparing the two)."""
-    from attn_backends._model._devices import indexed
+    from attn_backends._values._platform import indexed
 
     monkeypatch.setattr(torch.cuda, "current_device", lambda: 1)
     assert indexed("cuda") == torch.device("cuda", 1)

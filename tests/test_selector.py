@@ -47,10 +47,10 @@ def registry():
             make_backend("slow"),
             make_backend("gpu-only", platforms=("cuda",), min_sm=80, requires=("flashinfer",)),
             make_backend("unranked"),
-            ranks=[
-                abp.Rank("fast", before="torch-sdpa", platform="cpu", note="measured"),
-                abp.Rank("slow", after="torch-sdpa"),
-                abp.Rank("gpu-only", before="torch-sdpa", platform="cuda"),
+            placements=[
+                abp.Placement("fast", before="torch-sdpa", platform="cpu", note="measured"),
+                abp.Placement("slow", after="torch-sdpa"),
+                abp.Placement("gpu-only", before="torch-sdpa", platform="cuda"),
             ],
         ),
         name="test-plugin",
@@ -69,14 +69,14 @@ def test_plugin_ranks_place_backends_next_to_a_named_one(registry):
         "unranked": "not ranked",
         "gpu-only": "rejected",
     }
-    ranks = {c.name: c.rank for c in sel.candidates}
+    ranks = {c.name: c.place for c in sel.candidates}
     assert (ranks["fast"], ranks["torch-sdpa"], ranks["slow"]) == (1, 2, 3)
     gpu = next(c for c in sel.candidates if c.name == "gpu-only")
     assert {r.code for r in gpu.reasons} == {ab.ReasonCode.PLATFORM, ab.ReasonCode.LIBRARY_MISSING}
     text = sel.explain()
     assert "selected: fast (by ranking)" in text
-    assert "decided by: plugin rank: fast before torch-sdpa on cpu (measured)" in text
-    assert "ranked by row " in text and "torch-sdpa on cpu" in text
+    assert "decided by: plugin placement: fast before torch-sdpa on cpu (measured)" in text
+    assert "placed by row " in text and "torch-sdpa on cpu" in text
     assert "does not run on cpu" in text
 
 
@@ -105,11 +105,13 @@ def test_a_plugin_rank_never_reaches_where_its_anchor_is_not_in_line(registry):
     before a backend no row places for the request gives no place at all."""
     sel = ab.select(SPEC, platform="rocm:gfx942", registry=registry)
     gpu = next(c for c in sel.candidates if c.name == "gpu-only")
-    assert gpu.rank is None
+    assert gpu.place is None
     reg = ab.deploy.Registry()
     reg.register_plugin(torch_sdpa, name="torch-sdpa")
     reg.register_plugin(
-        StaticPlugin(make_backend("eager"), ranks=[abp.Rank("eager", before="flashinfer")]),
+        StaticPlugin(
+            make_backend("eager"), placements=[abp.Placement("eager", before="flashinfer")]
+        ),
         name="vendor",
     )
     sel = ab.select(SPEC, platform="cpu", registry=reg)
@@ -188,7 +190,7 @@ def test_record_is_json_and_complete(registry):
     names = {c["name"] for c in record["candidates"]}
     assert names == {"torch-sdpa", "fast", "slow", "gpu-only", "unranked"}
     fast = next(c for c in record["candidates"] if c["name"] == "fast")
-    assert fast["rank"] == 1 and fast["ranked_by"].startswith("plugin rank: fast before")
+    assert fast["place"] == 1 and fast["placed_by"].startswith("plugin placement: fast before")
     assert record["details"]["preprocess"] in {"torch", "native", "flashinfer"}
     assert record["plugins"][0]["status"] == "loaded"
 

@@ -25,10 +25,10 @@ import attn_backends as ab
 import attn_backends.integrations as abi
 from attn_backends._backend import _reference
 from attn_backends._backend._reference import TOLERANCE, reference_attention, relative_error
-from attn_backends._model._fingerprint import canonical_json
 from attn_backends._path import _rope
 from attn_backends._path._preprocess import apply_torch_pass
 from attn_backends._select._distributed import rank_fingerprint
+from attn_backends._values._records import canonical_json
 from attn_backends.cli import main
 
 CPU = ab.parse_platform("cpu")
@@ -348,7 +348,7 @@ def test_the_spec_module_imports_nothing_from_the_hf_reader():
         imported = {
             node.module for node in ast.walk(ast.parse(source)) if isinstance(node, ast.ImportFrom)
         }
-        assert "_rope_hf" not in imported and "attn_backends._model._rope_hf" not in imported
+        assert "_rope_hf" not in imported and "attn_backends._values._rope_hf" not in imported
     assert "from_hf_config" not in vars(ab.RopeSpec)
     assert "rope_spec_from_hf_config" in abi.__all__
 

@@ -307,7 +307,7 @@ def test_decision_record_says_how_gqa_is_served(monkeypatch):
     assert "torch-varlen" in sel.explain()
 
 
-# Rank among the CUDA backends (dry runs: libraries assumed installed).
+# Placement among the CUDA backends (dry runs: libraries assumed installed).
 
 
 SERVED = [
@@ -326,7 +326,7 @@ SERVED = [
 def test_ranks_above_sdpa_and_flex_below_flashinfer(spec, platform):
     sel = ab.select(spec, platform=platform)
     # ranks are places in line (1: tried first)
-    rank = {c.name: c.rank for c in sel.candidates if c.verdict in ("selected", "eligible")}
+    rank = {c.name: c.place for c in sel.candidates if c.verdict in ("selected", "eligible")}
     ours = rank["torch-varlen"]
     assert ours is not None
     for later in ("torch-sdpa", "flex"):

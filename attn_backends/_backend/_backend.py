@@ -27,18 +27,6 @@ from typing import ClassVar, TypeVar, cast
 
 import torch
 
-from .._model._devices import indexed
-from .._model._errors import (
-    AttentionBackendError,
-    BackendFailure,
-    GraphModeError,
-    NoBackendError,
-    ParamsError,
-)
-from .._model._params import FMHAParams
-from .._model._platform import Platform, detect_platform
-from .._model._reasons import Reason, ReasonCode
-from .._model._spec import AttentionSpec
 from .._path._contract import (
     BufferMemo,
     ForwardPath,
@@ -52,8 +40,18 @@ from .._path._contract import (
 )
 from .._path._graph import GraphBucket, GraphPlan, slot_lengths
 from .._path._preprocess import GRAPH_MODES, PreprocessChoice, platform_of, resolve_preprocess
+from .._values._errors import (
+    AttentionBackendError,
+    BackendFailure,
+    GraphModeError,
+    NoBackendError,
+    ParamsError,
+)
+from .._values._params import FMHAParams
+from .._values._platform import Platform, detect_platform, indexed
+from .._values._reasons import Reason, ReasonCode
+from .._values._spec import AttentionSpec
 from ._capabilities import Capabilities, check_capabilities
-from ._kernels import KernelModule
 
 
 def _named_failure(backend: str, step: str, exc: Exception) -> BackendFailure:
@@ -372,3 +370,20 @@ class PrefillBackend(ABC):
 
     def __repr__(self) -> str:
         return f"<{type(self).__name__} {self.name!r} bound to {self._spec.num_heads} heads>"
+
+
+# `KernelModule`: one compiled kernel library a backend loads, as warm-up reports it.
+
+
+@dataclass(frozen=True)
+class KernelModule:
+    name: str
+    """What the library calls it, e.g. ``flashinfer fa3 bfloat16 d128 posenc=NONE``."""
+    cached: bool | None
+    """Built already (a load, not a compile); None when the library cannot tell."""
+    build_cpu_seconds: float | None
+    """Rough CPU-seconds to compile it; divide by the build's parallel jobs for wall time."""
+    longest_object_seconds: float | None
+    """Rough seconds of its slowest object file: no number of jobs builds it faster."""
+    cache_dir: str | None
+    """Where the library keeps it once built."""

@@ -7,11 +7,11 @@ from typing import Any, TypeVar
 
 import torch
 
-from .._model._dtypes import dtype_name
-from .._model._feature_table import FEATURES, FP8, Feature, FeatureSupport
-from .._model._platform import Platform, PlatformKind
-from .._model._reasons import Reason, ReasonCode
-from .._model._spec import AttentionSpec, kernel_rope_fusable
+from .._values._dtypes import dtype_name
+from .._values._feature_table import FEATURES, FP8, Feature, FeatureSupport
+from .._values._platform import Platform, PlatformKind
+from .._values._reasons import Reason, ReasonCode
+from .._values._spec import AttentionSpec, kernel_rope_fusable
 
 
 def _names(values: frozenset[int] | frozenset[str] | frozenset[torch.dtype]) -> str:

@@ -6,12 +6,12 @@ from typing import Protocol, runtime_checkable
 
 import torch
 
-from .._model._params import FMHAParams
-from .._model._platform import Platform
-from .._model._reasons import Reason
-from .._model._spec import AttentionSpec
 from .._path._contract import Fp8Scales, PrefillPlan, QKVInput
 from .._path._graph import GraphBucket, GraphPlan
+from .._values._params import FMHAParams
+from .._values._platform import Platform
+from .._values._reasons import Reason
+from .._values._spec import AttentionSpec
 from ._capabilities import Capabilities
 
 

@@ -13,11 +13,11 @@ from typing import cast
 
 import torch
 
-from .._model._errors import InvalidArgumentError
-from .._model._feature_table import FEATURES
-from .._model._params import FMHAParams
-from .._model._spec import AttentionSpec
 from .._path._contract import Fp8Scales
+from .._values._errors import InvalidArgumentError
+from .._values._feature_table import FEATURES
+from .._values._params import FMHAParams
+from .._values._spec import AttentionSpec
 
 
 def _frequencies(spec: AttentionSpec, seq_len: int, device: torch.device) -> torch.Tensor:

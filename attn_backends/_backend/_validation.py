@@ -12,8 +12,8 @@ import re
 
 import torch
 
-from .._model._feature_table import FEATURES, FeatureSupport
-from .._model._platform import PLATFORM_KINDS
+from .._values._feature_table import FEATURES, FeatureSupport
+from .._values._platform import PLATFORM_KINDS
 from ._capabilities import Capabilities
 
 NAME_PATTERN = re.compile(r"[A-Za-z0-9][A-Za-z0-9._+-]{0,99}")

@@ -14,10 +14,10 @@ from typing import TypeAlias
 
 import torch
 
-from .._model._dtypes import dtype_name
-from .._model._errors import PackedQKVError
-from .._model._params import FMHAParams
-from .._model._spec import AttentionSpec
+from .._values._dtypes import dtype_name
+from .._values._errors import PackedQKVError
+from .._values._params import FMHAParams
+from .._values._spec import AttentionSpec
 
 QKVInput: TypeAlias = "torch.Tensor | tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]"
 

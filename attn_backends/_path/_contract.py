@@ -31,10 +31,10 @@ from typing import Protocol, TypeAlias, cast
 
 import torch
 
-from .._model._dtypes import dtype_name
-from .._model._errors import AttentionBackendError, BackendFailure, ParamsError
-from .._model._params import FMHAParams
-from .._model._spec import AttentionSpec
+from .._values._dtypes import dtype_name
+from .._values._errors import AttentionBackendError, BackendFailure, ParamsError
+from .._values._params import FMHAParams
+from .._values._spec import AttentionSpec
 from ._checks import Fp8Scales as Fp8Scales
 from ._checks import QKVInput as QKVInput
 from ._checks import SeparateQKV, check_sinks, check_writable, fail

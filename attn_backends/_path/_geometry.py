@@ -15,7 +15,7 @@ from typing import Literal
 
 import torch
 
-from .._model._spec import AttentionSpec
+from .._values._spec import AttentionSpec
 
 InputLayout = Literal["views", "dense-tensors", "dense-packed"]
 """How the kernel wants its input: strided views of the packed rows (no copy), dense Q/K/V

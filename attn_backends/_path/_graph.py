@@ -25,9 +25,9 @@ from dataclasses import dataclass
 
 import torch
 
-from .._model._errors import ParamsError
-from .._model._params import FMHAParams
-from .._model._spec import AttentionSpec
+from .._values._errors import ParamsError
+from .._values._params import FMHAParams
+from .._values._spec import AttentionSpec
 from ._geometry import BufferMemo
 from ._preprocess import PreprocessMode, is_separate
 

@@ -17,11 +17,11 @@ from dataclasses import dataclass, field
 
 import torch
 
-from .._model._dtypes import dtype_name
-from .._model._errors import SpecError
-from .._model._params import FMHAParams
-from .._model._platform import Platform, detect_platform
-from .._model._spec import AttentionSpec, kernel_rope_fusable
+from .._values._dtypes import dtype_name
+from .._values._errors import SpecError
+from .._values._params import FMHAParams
+from .._values._platform import Platform, detect_platform
+from .._values._spec import AttentionSpec, kernel_rope_fusable
 from . import _native
 from ._rope import PositionTables, apply_rope_logn, build_position_tables
 from ._rope_passes import RopePass as RopePass  # the table's names, kept importable from here

@@ -12,7 +12,7 @@ from dataclasses import dataclass
 
 import torch
 
-from .._model._spec import AttentionSpec
+from .._values._spec import AttentionSpec
 
 
 @dataclass(frozen=True, eq=False)

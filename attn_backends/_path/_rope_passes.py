@@ -23,15 +23,15 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING, TypeVar, get_args
 
-from .._model._errors import SpecError
-from .._model._platform import PlatformKind, parse_platform
+from .._values._errors import SpecError
+from .._values._platform import PlatformKind, parse_platform
 
 if TYPE_CHECKING:
     import torch
 
-    from .._model._params import FMHAParams
-    from .._model._platform import Platform
-    from .._model._spec import AttentionSpec
+    from .._values._params import FMHAParams
+    from .._values._platform import Platform
+    from .._values._spec import AttentionSpec
 
 PLATFORM_KINDS: tuple[PlatformKind, ...] = get_args(PlatformKind)
 IN_KERNEL_NAMES = frozenset({"none", "fused"})
@@ -157,7 +157,7 @@ def _probe_problem(candidate: RopePass) -> str | None:
     reason or None, not raise (else every RoPE spec there would fail to resolve)."""
     import torch
 
-    from .._model._spec import AttentionSpec, RopeSpec
+    from .._values._spec import AttentionSpec, RopeSpec
 
     spec = AttentionSpec(8, 8, 64, torch.float16, causal=True, rope=RopeSpec(10000.0))
     for kind, _ in candidate.ranks:

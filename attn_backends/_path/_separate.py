@@ -20,9 +20,9 @@ from __future__ import annotations
 
 import torch
 
-from .._model._dtypes import dtype_name
-from .._model._params import FMHAParams
-from .._model._spec import AttentionSpec
+from .._values._dtypes import dtype_name
+from .._values._params import FMHAParams
+from .._values._spec import AttentionSpec
 from ._checks import SeparateQKV, fail
 from ._geometry import Geometry, Grid, InputLayout, RowsRule
 from ._rope import PositionTables, apply_rope_logn

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import torch
 
-from .._model._spec import AttentionSpec
+from .._values._spec import AttentionSpec
 
 
 def writable_columns(spec: AttentionSpec, rotates_in_place: bool) -> torch.Tensor:

@@ -17,13 +17,13 @@ import torch
 
 from .._backend._protocol import NoCachePrefill
 from .._backend._reference import TOLERANCE, reference_attention, relative_error
-from .._model._devices import indexed
-from .._model._dtypes import dtype_name
-from .._model._errors import PlatformError
-from .._model._params import FMHAParams
-from .._model._spec import AttentionSpec
 from .._path._contract import Fp8Scales, PrefillPlan
 from .._path._untouched import unexpected_writes
+from .._values._dtypes import dtype_name
+from .._values._errors import PlatformError
+from .._values._params import FMHAParams
+from .._values._platform import indexed
+from .._values._spec import AttentionSpec
 
 CANARY_LENGTHS: tuple[int, ...] = (5, 1, 12, 0, 3)
 """Varlen, a single-token and a zero-length sequence: cheap, yet enough to expose a kernel

@@ -21,12 +21,18 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from .._model._devices import indexed
-from .._model._errors import AttentionBackendError, InvalidArgumentError
-from .._model._fingerprint import canonical, canonical_json, canonical_text, differing_fields
-from .._model._json import dumps, json_safe
-from .._model._spec import AttentionSpec
-from .._plugins._registry import Registry
+from .._values._errors import AttentionBackendError, InvalidArgumentError
+from .._values._platform import indexed
+from .._values._records import (
+    canonical,
+    canonical_json,
+    canonical_text,
+    differing_fields,
+    dumps,
+    json_safe,
+)
+from .._values._spec import AttentionSpec
+from ._registry import Registry
 from ._selector import Selection, SelectRequest, select_request
 
 _ERROR_CHARS = 2000
@@ -83,7 +89,7 @@ def rank_fingerprint(selection: Selection) -> str:
     Unlike `Selection.fingerprint` it holds the device and the library versions (torch and its
     CUDA/HIP build, and the optional libraries the platform recorded), since two ranks with
     different versions may run the same backend name with different kernels. A number that is
-    not finite follows the library's one JSON convention (`_json`).
+    not finite follows the library's one JSON convention (`_records`).
     """
     platform = selection.platform
     versions: dict[str, object] = {

@@ -9,8 +9,8 @@ from __future__ import annotations
 
 import logging
 
-from .._model._errors import KVCacheFlagError
-from .._model._spec import AttentionSpec
+from .._values._errors import KVCacheFlagError
+from .._values._spec import AttentionSpec
 
 logger = logging.getLogger("attn_backends")
 

@@ -7,7 +7,7 @@ CUDA architecture, whether the spec's RoPE is one a fused-RoPE kernel computes, 
 window or ALiBi has to be evaluated per block. A backend no row names (``fa4``, ``headwise``)
 runs only when chosen by name.
 
-A third-party backend stands where its plugin's `Rank` puts it: right before or right after a
+A third-party backend stands where its plugin's `Placement` puts it: right before or right after a
 backend placed here, and only for the requests that backend is placed for, so it never takes
 over specs nobody asked it to serve. ``attn-backends explain`` prints the row that decided.
 """
@@ -17,10 +17,10 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from .._model._platform import Platform, PlatformKind
-from .._model._spec import AttentionSpec, kernel_rope_fusable, spec_masked
-from .._plugins._hooks import Rank
-from .._plugins._registry import BackendEntry
+from .._values._platform import Platform, PlatformKind
+from .._values._spec import AttentionSpec, kernel_rope_fusable, spec_masked
+from ._hooks import Placement
+from ._registry import BackendEntry
 
 
 @dataclass(frozen=True)
@@ -108,7 +108,7 @@ RANKING: tuple[Row, ...] = (
     Row(
         "flex",
         "cuda",
-        "5-11x torch-sdpa on windowed and ALiBi specs (H200, scripts/gpu/feature_backends.py)",
+        "5-11x torch-sdpa on windowed and ALiBi specs (H200, benchmarks/gpu/feature_backends.py)",
         min_sm=80,
         masked=True,
     ),
@@ -140,8 +140,8 @@ class Place:
 
     entry: BackendEntry
     by: str
-    """The table row (``row 2: flashinfer on cuda sm80.. (why)``) or the plugin's `Rank`."""
-    rank: Rank | None = None
+    """The table row (``row 2: flashinfer on cuda sm80.. (why)``) or the plugin's `Placement`."""
+    placement: Placement | None = None
 
 
 def _row_text(n: int, row: Row) -> str:
@@ -161,26 +161,28 @@ def _by_table(
     return line
 
 
-def _placed(line: list[Place], entry: BackendEntry, rank: Rank) -> bool:
-    """Put ``entry`` next to the backend ``rank`` names; False when that one is not in line.
-    Several placed after one backend keep their registration order."""
-    at = next((i for i, p in enumerate(line) if p.entry.name == rank.anchor), None)
+def _placed(line: list[Place], entry: BackendEntry, placement: Placement) -> bool:
+    """Put ``entry`` next to the backend ``placement`` names; False when that one is not in
+    line. Several placed after one backend keep their registration order."""
+    at = next((i for i, p in enumerate(line) if p.entry.name == placement.anchor), None)
     if at is None:
         return False
-    if rank.after is not None:
+    if placement.after is not None:
         at += 1
-        while (
-            at < len(line) and (placed := line[at].rank) is not None and placed.after == rank.after
-        ):
+        while at < len(line) and _after(line[at], placement.after):
             at += 1
-    line.insert(at, Place(entry, f"plugin rank: {rank.describe()}", rank))
+    line.insert(at, Place(entry, f"plugin placement: {placement.describe()}", placement))
     return True
+
+
+def _after(place: Place, anchor: str) -> bool:
+    return place.placement is not None and place.placement.after == anchor
 
 
 def ranked(spec: AttentionSpec, platform: Platform, entries: Sequence[BackendEntry]) -> list[Place]:
     """The backends in the order selection tries them for ``spec`` on ``platform``.
 
-    Built-in backends by the table; then each plugin's `Rank` (in registration order) whose
+    Built-in backends by the table; then each plugin's `Placement` (in registration order) whose
     platform fits, next to the backend it names, if that one is in line. A backend with no
     place here runs only when chosen by name.
     """
@@ -189,19 +191,21 @@ def ranked(spec: AttentionSpec, platform: Platform, entries: Sequence[BackendEnt
     for entry in entries:
         if entry.builtin or any(p.entry is entry for p in line):
             continue
-        for rank in entry.ranks:
-            if rank.platform in (None, platform.kind) and _placed(line, entry, rank):
+        for placement in entry.placements:
+            if placement.platform in (None, platform.kind) and _placed(line, entry, placement):
                 break
     return line
 
 
 def unplaced_reason(entry: BackendEntry, platform: Platform) -> str:
     """Why ``entry`` has no place for this request (the text of its ``not ranked`` verdict)."""
-    fitting = [r for r in entry.ranks if r.platform in (None, platform.kind)]
+    fitting = [r for r in entry.placements if r.platform in (None, platform.kind)]
     if fitting:
         anchors = " or ".join(sorted({r.anchor for r in fitting}))
         return (
             f"placed next to {anchors}, which is not in line for this request on {platform}; "
-            "chosen only when named explicitly"
+            "chosen only when named"
         )
-    return f"no row of the ranking table or plugin rank for {platform}; chosen only when named"
+    return (
+        f"no row of the ranking table nor a plugin placement for {platform}; chosen only when named"
+    )

@@ -13,27 +13,26 @@ from typing import Literal, cast
 import torch
 
 from .._backend._protocol import NoCachePrefill
-from .._model._dtypes import dtype_name
-from .._model._errors import InvalidArgumentError, NoBackendError, PlatformError, SpecError
-from .._model._feature_table import FEATURES
-from .._model._fingerprint import canonical_json
-from .._model._json import json_safe
-from .._model._platform import Platform, detect_platform, parse_platform
-from .._model._reasons import Reason, ReasonCode
-from .._model._spec import AttentionSpec
 from .._path._rope_passes import table_generation
-from .._plugins._isolation import refuse_reentry
-from .._plugins._policy import DISABLE_ENV, PLUGINS_ENV, PluginPolicy
-from .._plugins._registry import (
+from .._values._dtypes import dtype_name
+from .._values._errors import InvalidArgumentError, NoBackendError, PlatformError, SpecError
+from .._values._feature_table import FEATURES
+from .._values._platform import Platform, detect_platform, parse_platform
+from .._values._reasons import Reason, ReasonCode
+from .._values._records import canonical_json, json_safe
+from .._values._spec import AttentionSpec
+from ._canary import CANARY_OFF, CanaryResult, run_canary
+from ._flags import derive_need_rope_kv_cache
+from ._isolation import refuse_reentry
+from ._policy import DISABLE_ENV, PLUGINS_ENV, PluginPolicy
+from ._ranking import ranked, unplaced_reason
+from ._registry import (
     BackendEntry,
     PluginRecord,
     Registry,
     RegistrySnapshot,
     get_registry,
 )
-from ._canary import CANARY_OFF, CanaryResult, run_canary
-from ._flags import derive_need_rope_kv_cache
-from ._ranking import ranked, unplaced_reason
 
 logger = logging.getLogger("attn_backends")
 
@@ -54,10 +53,10 @@ class Candidate:
     name: str
     plugin: str
     verdict: Verdict
-    rank: int | None
+    place: int | None
     """Place in line for this request (1: tried first); None: chosen only by name."""
-    ranked_by: str | None
-    """The ranking-table row or plugin `Rank` that gave the place."""
+    placed_by: str | None
+    """The ranking-table row or plugin `Placement` that gave the place."""
     reasons: tuple[Reason, ...]
     assumed_libraries: tuple[str, ...] = ()
     """Libraries this backend needs that a dry run assumed present without checking."""
@@ -67,8 +66,8 @@ class Candidate:
             "name": self.name,
             "plugin": self.plugin,
             "verdict": self.verdict,
-            "rank": self.rank,
-            "ranked_by": self.ranked_by,
+            "place": self.place,
+            "placed_by": self.placed_by,
             "reasons": [r.to_dict() for r in self.reasons],
             "assumed_libraries": list(self.assumed_libraries),
         }
@@ -131,8 +130,8 @@ class Selection:
     def explain(self) -> str:
         chosen = next((c for c in self.candidates if c.verdict == "selected"), None)
         decided = (
-            f"decided by: {chosen.ranked_by}"
-            if self.source == "ranking" and chosen is not None and chosen.ranked_by
+            f"decided by: {chosen.placed_by}"
+            if self.source == "ranking" and chosen is not None and chosen.placed_by
             else f"decided by: the name {self.name!r} ({self.source})"
         )
         lines = [
@@ -158,10 +157,10 @@ class Selection:
             lines.append("details: " + ", ".join(f"{k}={v}" for k, v in self.details))
         lines.append("candidates:")
         for c in self.candidates:
-            place = f" rank {c.rank}" if c.rank is not None else ""
+            place = f" place {c.place}" if c.place is not None else ""
             lines.append(f"  {c.verdict:>10}  {c.name} (plugin {c.plugin}){place}")
-            if c.ranked_by is not None:
-                lines.append(f"              ranked by {c.ranked_by}")
+            if c.placed_by is not None:
+                lines.append(f"              placed by {c.placed_by}")
             lines.extend(f"              - {r}" for r in c.reasons)
             if c.assumed_libraries:
                 lines.append(f"              (assumed installed: {', '.join(c.assumed_libraries)})")
@@ -274,8 +273,8 @@ class _Request:
 class _Judged:
     entry: BackendEntry
     reasons: list[Reason]
-    rank: int | None = None
-    ranked_by: str | None = None
+    place: int | None = None
+    placed_by: str | None = None
 
     @property
     def name(self) -> str:
@@ -596,7 +595,7 @@ def _failure_lines(judged: list[_Judged], platform: Platform) -> list[str]:
     for j in judged:
         if j.reasons:
             text = "; ".join(str(r) for r in j.reasons)
-        elif j.rank is None:
+        elif j.place is None:
             text = f"fits, but {unplaced_reason(j.entry, platform)}"
         else:
             text = "fits"
@@ -701,7 +700,7 @@ def _decide(req: _Request, snap: RegistrySnapshot) -> Selection:
     judged = [_judge(entry, req) for entry in snap.entries]
     of = {j.name: j for j in judged}
     for n, place in enumerate(ranked(req.spec, req.platform, snap.entries), start=1):
-        of[place.entry.name].rank, of[place.entry.name].ranked_by = n, place.by
+        of[place.entry.name].place, of[place.entry.name].placed_by = n, place.by
     if req.explicit is not None:
         match = of.get(req.explicit)
         if match is None:
@@ -709,8 +708,8 @@ def _decide(req: _Request, snap: RegistrySnapshot) -> Selection:
         order = [match]
     else:
         order = sorted(
-            (j for j in judged if not j.reasons and j.rank is not None),
-            key=lambda j: j.rank or 0,
+            (j for j in judged if not j.reasons and j.place is not None),
+            key=lambda j: j.place or 0,
         )
     winner: tuple[_Judged, _Winner] | None = None
     for cand in order:
@@ -728,7 +727,7 @@ def _decide(req: _Request, snap: RegistrySnapshot) -> Selection:
     chosen, (bound, details, canary) = winner
     candidates = [_candidate(j, j is chosen, req.platform) for j in judged]
     order_of = {"selected": 0, "eligible": 1, "not ranked": 2, "rejected": 3}
-    candidates.sort(key=lambda c: (order_of[c.verdict], c.rank or len(judged) + 1))
+    candidates.sort(key=lambda c: (order_of[c.verdict], c.place or len(judged) + 1))
     return Selection(
         backend=bound,
         name=chosen.name,
@@ -788,10 +787,10 @@ def _candidate(j: _Judged, selected: bool, plat: Platform) -> Candidate:
         verdict = "selected"
     elif reasons:
         verdict = "rejected"
-    elif j.rank is None:
+    elif j.place is None:
         verdict = "not ranked"
         reasons = (Reason(ReasonCode.NOT_RANKED, unplaced_reason(j.entry, plat)),)
     else:
         verdict = "eligible"
     assumed = j.entry.capabilities.requires if plat.assumed else ()
-    return Candidate(j.name, j.entry.plugin, verdict, j.rank, j.ranked_by, reasons, assumed)
+    return Candidate(j.name, j.entry.plugin, verdict, j.place, j.placed_by, reasons, assumed)

@@ -24,14 +24,12 @@ from dataclasses import dataclass, replace
 
 import torch
 
-from .._backend._backend import PrefillBackend
-from .._backend._kernels import KernelModule
-from .._model._errors import InvalidArgumentError, ParamsError
-from .._model._params import FMHAParams
-from .._model._platform import Platform
-from .._model._presets import PRESETS
-from .._model._spec import AttentionSpec
+from .._backend._backend import KernelModule, PrefillBackend
 from .._path._contract import Fp8Scales
+from .._values._errors import InvalidArgumentError, ParamsError
+from .._values._params import FMHAParams
+from .._values._platform import Platform
+from .._values._spec import PRESETS, AttentionSpec
 from ._selector import SelectRequest, select_request
 
 SpecLike = AttentionSpec | str | SelectRequest

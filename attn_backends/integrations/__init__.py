@@ -8,7 +8,7 @@ transformers config needs no transformers install, so it lives here, beside them
 
 from __future__ import annotations
 
-from .._model._rope_hf import rope_spec_from_hf, rope_spec_from_hf_config
-from .._model._rope_scaling import ROPE_TYPES
+from .._values._rope_hf import rope_spec_from_hf, rope_spec_from_hf_config
+from .._values._rope_scaling import ROPE_TYPES
 
 __all__ = ["ROPE_TYPES", "rope_spec_from_hf", "rope_spec_from_hf_config"]

@@ -42,8 +42,8 @@ from typing import Any
 
 import torch
 
-from .._model._errors import FeatureNotSupportedError, IntegrationError
-from .._model._features import SlidingWindow
+from .._values._errors import FeatureNotSupportedError, IntegrationError
+from .._values._features import SlidingWindow
 
 __all__ = ["chunk_from_hf", "hf_features", "sinks_from_hf", "window_from_hf"]
 

@@ -41,9 +41,9 @@ from typing import Any
 
 import torch
 
-from .._model._errors import IntegrationError, MaskMismatchError
-from .._model._spec import AttentionSpec
 from .._select._selector import Selection
+from .._values._errors import IntegrationError, MaskMismatchError
+from .._values._spec import AttentionSpec
 from . import _layout
 from ._layout import BatchLayout
 

@@ -26,7 +26,7 @@ import threading
 from pathlib import Path
 from typing import Any
 
-from .._model._errors import IntegrationError
+from .._values._errors import IntegrationError
 
 __all__ = [
     "attention_layers",

@@ -14,8 +14,8 @@ from dataclasses import dataclass, field
 
 import torch
 
-from .._model._errors import IntegrationError
-from .._model._params import FMHAParams
+from .._values._errors import IntegrationError
+from .._values._params import FMHAParams
 
 
 @dataclass(frozen=True, eq=False)

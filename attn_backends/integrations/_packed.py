@@ -21,7 +21,7 @@ from typing import Generic, TypedDict, TypeVar
 
 import torch
 
-from .._model._errors import IntegrationError
+from .._values._errors import IntegrationError
 
 __all__ = ["PackedBatch", "check_served", "mark_served", "pack_sequences", "unpack_hidden"]
 

@@ -15,7 +15,7 @@ import weakref
 from collections.abc import Callable
 from typing import Any
 
-from .._model._errors import IntegrationError
+from .._values._errors import IntegrationError
 from .transformers import attention_forward
 
 __all__ = ["mark_ours", "require_ours", "require_still"]

@@ -24,7 +24,7 @@ from typing import Any
 
 import torch
 
-from .._model._errors import IntegrationError
+from .._values._errors import IntegrationError
 from ._packed import check_served
 
 __all__ = ["BackbonePacking"]

@@ -33,7 +33,7 @@ from collections.abc import Iterator
 from contextvars import ContextVar
 from typing import Any
 
-from .._model._errors import IntegrationError
+from .._values._errors import IntegrationError
 
 __all__ = ["FLATTENED_KWARGS", "enable_flattening", "flattening_problems", "padded_batches"]
 

@@ -29,10 +29,10 @@ from typing import Any
 
 import torch
 
-from .._model._errors import IntegrationError
-from .._model._params import FMHAParams
-from .._model._spec import AttentionSpec
 from .._select._selector import select
+from .._values._errors import IntegrationError
+from .._values._params import FMHAParams
+from .._values._spec import AttentionSpec
 from . import _hf_features, _hf_mask, _registered
 from ._packed import check_served
 from .transformers import _refuse_unsupported_call, _spec_for

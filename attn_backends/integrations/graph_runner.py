@@ -46,12 +46,17 @@ from typing import Any, Literal
 import torch
 
 from .._backend._protocol import CudaGraphPrefill
-from .._model._errors import FeatureNotSupportedError, GraphModeError, IntegrationError, ParamsError
-from .._model._params import FMHAParams
-from .._model._platform import Platform
-from .._model._spec import AttentionSpec
 from .._path._graph import GraphBucket, GraphPlan, slot_lengths
 from .._select._selector import select
+from .._values._errors import (
+    FeatureNotSupportedError,
+    GraphModeError,
+    IntegrationError,
+    ParamsError,
+)
+from .._values._params import FMHAParams
+from .._values._platform import Platform
+from .._values._spec import AttentionSpec
 from . import _hf_features, _hf_models, _layout, _registered
 from ._packed import check_served, mark_served
 from .transformers import _refuse_unsupported_call, _spec_for

@@ -31,7 +31,7 @@ from typing import TYPE_CHECKING, Any, TypeVar
 
 import torch
 
-from .._model._errors import IntegrationError
+from .._values._errors import IntegrationError
 from . import _st_flatten
 from ._packed import check_served
 from ._registered import require_ours

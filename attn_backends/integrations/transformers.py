@@ -56,9 +56,9 @@ from typing import Any
 
 import torch
 
-from .._model._errors import IntegrationError, MaskMismatchError
-from .._model._spec import AttentionSpec
 from .._select._selector import Selection, select
+from .._values._errors import IntegrationError, MaskMismatchError
+from .._values._spec import AttentionSpec
 from . import _hf_features, _hf_mask, _hf_models, _layout
 from ._hf_mask import MaskRequest
 from ._layout import BatchLayout

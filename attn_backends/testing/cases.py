@@ -3,7 +3,7 @@
 Each case varies one thing from a base (varlen with a single-token sequence) so a failure names
 its cause: mask, GQA, each RoPE style, logn, padding rows, strided input, tuple forms, zero-length
 and equal-length sequences. Each feature's cases (windows, soft-cap, ALiBi, headwise masks, RoPE
-scaling) come from its descriptor in `attn_backends._model._feature_table`, alone and combined with
+scaling) come from its descriptor in `attn_backends._values._feature_table`, alone and combined with
 every other feature the backend declares. Refusal cases build a request the backend did not
 declare and expect `supports()` to say so with the matching reason code.
 """
@@ -17,11 +17,11 @@ from typing import Any
 import torch
 
 from .._backend._capabilities import Capabilities
-from .._model._dtypes import FP8_DTYPES, dtype_name
-from .._model._feature_table import FEATURE_LENGTHS, FEATURES, ROPE_SCALING, CaseSketch, InputForm
-from .._model._platform import Platform, PlatformKind, parse_platform
-from .._model._reasons import ReasonCode
-from .._model._spec import AttentionSpec, RopeSpec
+from .._values._dtypes import FP8_DTYPES, dtype_name
+from .._values._feature_table import FEATURE_LENGTHS, FEATURES, ROPE_SCALING, CaseSketch, InputForm
+from .._values._platform import Platform, PlatformKind, parse_platform
+from .._values._reasons import ReasonCode
+from .._values._spec import AttentionSpec, RopeSpec
 
 __all__ = [
     "FEATURE_LENGTHS",

@@ -119,7 +119,7 @@ def pytest_configure(config: pytest.Config) -> None:
     backends: list[str] = config.getoption("attn_backend")
     if not backends:
         return
-    from .._plugins._registry import get_registry  # after pytest parsed the options
+    from .._select._registry import get_registry  # after pytest parsed the options
     from .suite import unregistered_message
 
     registry = get_registry()

@@ -17,17 +17,17 @@ import torch
 
 from .._backend._protocol import CudaGraphPrefill
 from .._backend._reference import TOLERANCE, reference_attention, relative_error
-from .._model._errors import NoBackendError
-from .._model._params import FMHAParams
-from .._model._platform import Platform, detect_platform, parse_platform
-from .._model._reasons import ReasonCode
-from .._model._spec import AttentionSpec
 from .._path._contract import QKVInput
 from .._path._graph import GraphBucket
 from .._path._preprocess import is_separate
 from .._path._untouched import unexpected_writes
-from .._plugins._registry import Registry, get_registry
+from .._select._registry import Registry, get_registry
 from .._select._selector import Selection, SelectRequest, select, select_request
+from .._values._errors import NoBackendError
+from .._values._params import FMHAParams
+from .._values._platform import Platform, detect_platform, parse_platform
+from .._values._reasons import ReasonCode
+from .._values._spec import AttentionSpec
 from .cases import (
     ConformanceCase,
     RefusalCase,

@@ -1,7 +1,7 @@
 """flashinfer's JIT modules as this package names them: their build specs, cache state, cost.
 
 One place for what warm-up (`attn_backends.warmup`, ``attn-backends warmup``) and the offline
-prebuild (``scripts/gpu/prebuild.py``) both need: which flashinfer ``JitSpec`` a `JitModule`
+prebuild (``benchmarks/gpu/prebuild.py``) both need: which flashinfer ``JitSpec`` a `JitModule`
 is, whether flashinfer's cache already holds it, where that cache is, roughly what building it
 costs, and loading it through the very function the backend's call path uses.
 """

@@ -41,7 +41,7 @@ depends on the batch too (its longest sequence, whether it has more than 256 seq
 only on the spec, so this backend lists no `KernelModule` for warm-up's estimate: the count
 would be wrong.
 
-Rank: none yet (no row in the ranking table). fa4 has not passed its conformance suite on
+Placement: none yet (no row in the ranking table). fa4 has not passed its conformance suite on
 hardware (on the H200 of 2026-12-03 the carried CuTe DSL lacked ``cutlass.cute``,
 docs/hardware-verification.md), so it runs only when chosen by name (``backend="fa4"``,
 ``ATTN_BACKEND=fa4``); its row against flashinfer and torch-varlen comes from the measurement

@@ -22,7 +22,7 @@ separate RoPE pass and this backend plans without ROPE_LLAMA, exactly like ``fla
 Fusing pays on short sequences only (it saves a memory pass, but fa2 is slower than fa3 on
 Hopper as sequences grow), so it is decided per batch: batches whose longest sequence is at
 most ``fused_rope_max_seqlen`` tokens run fused, longer ones the separate pass and fa3 (the
-crossover measured by scripts/gpu/rope_crossover.py).
+crossover measured by benchmarks/gpu/rope_crossover.py).
 
 Graph mode (`prepare_graph`): one wrapper per bucket, built with ``use_cuda_graph=True`` over
 fixed index buffers; ``update`` re-plans it in place, so a captured ``run`` replays any batch of
@@ -92,7 +92,7 @@ WORKSPACE_BYTES = 128 << 20
 KERNEL = "flashinfer.BatchPrefillWithRaggedKVCacheWrapper"
 FUSED_ROPE_MAX_SEQLEN = 256
 """Longest sequence of a batch that ``flashinfer-rope`` still fuses RoPE for. Measured on an
-H200 (scripts/gpu/rope_crossover.py, 2026-11-30; equal lengths, 16k tokens, 16/8 x 128 causal
+H200 (benchmarks/gpu/rope_crossover.py, 2026-11-30; equal lengths, 16k tokens, 16/8 x 128 causal
 bf16): fa2 with ROPE_LLAMA took 0.53-0.94x the time of the separate pass + fa3 up to 256 tokens
 and 1.07x at 384, rising to 1.91x at 2048."""
 

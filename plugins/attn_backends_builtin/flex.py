@@ -22,7 +22,7 @@ CUDA, eager on CPU (`_flex_kernel`). Q, K and V are handed over as dense tensors
 output (and log-sum-exp), so this backend is not held to the "output only" allocation rule.
 
 Priority: on CUDA above torch-sdpa for windowed and ALiBi specs, measured on an H200
-(`scripts/gpu/feature_backends.py`, docs/hardware-verification.md: 5-11x torch-sdpa's speed,
+(`benchmarks/gpu/feature_backends.py`, docs/hardware-verification.md: 5-11x torch-sdpa's speed,
 which builds a mask per sequence length and runs SDPA per length), below flashinfer, which
 serves the causal forms. Elsewhere policy, not measured: below torch-sdpa on plain specs and on
 CPU, where flex runs eagerly and materialises the scores. Headwise specs: the only backend.

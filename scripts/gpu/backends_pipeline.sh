@@ -29,7 +29,7 @@ tail -1 "$run_dir/env.txt"
 step "1. conformance of fa4, beside torch-varlen's and the fa3 bf16 build"
 (
     RUN_TIMEOUT=150 scripts/gpu/conformance.sh "$run_dir/conformance-varlen" torch-varlen
-    python3 scripts/gpu/prebuild.py --budget 150 --only '^fa3 bfloat16 d(64|128) posenc=NONE$' \
+    python3 benchmarks/gpu/prebuild.py --budget 150 --only '^fa3 bfloat16 d(64|128) posenc=NONE$' \
         >"$run_dir/prebuild-fa3.log" 2>&1
     step "prebuild fa3 rc=$? $(tail -1 "$run_dir/prebuild-fa3.log")"
 ) &

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Conformance of the CUDA backends on this GPU, with junit XML and a short summary.
 #
-#     . scripts/gpu/setup.sh && python3 scripts/gpu/prebuild.py   # once per machine
+#     . scripts/gpu/setup.sh && python3 benchmarks/gpu/prebuild.py   # once per machine
 #     scripts/gpu/conformance.sh OUT_DIR [RUN...]
 #
 # RUN names default to every run: headwise flex torch-sdpa flashinfer flashinfer-rope trt

@@ -22,7 +22,7 @@ RUN_TIMEOUT=${RUN_TIMEOUT:-480} scripts/gpu/conformance.sh "$run_dir/conformance
 torch_runs=$!
 
 step "prebuild: the flashinfer modules of the conformance runs (no FMHA v2)"
-python3 scripts/gpu/prebuild.py --budget "${PREBUILD_BUDGET:-900}" --skip fmha_v2 \
+python3 benchmarks/gpu/prebuild.py --budget "${PREBUILD_BUDGET:-900}" --skip fmha_v2 \
     >"$run_dir/prebuild.log" 2>&1
 step "prebuild rc=$?"
 tail -6 "$run_dir/prebuild.log"

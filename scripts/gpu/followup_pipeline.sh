@@ -29,7 +29,7 @@ serving() {  # serving MODEL TIMEOUT
 step "1. prebuild of the bf16 modules, beside the zoo (d16)"
 zoo zoo-d16 16 280 &
 beside=$!
-python3 scripts/gpu/prebuild.py --budget 400 \
+python3 benchmarks/gpu/prebuild.py --budget 400 \
     --only "$BF16_MODULES" \
     >"$run_dir/prebuild-bf16.log" 2>&1
 step "prebuild bf16 rc=$?"

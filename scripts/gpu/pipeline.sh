@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Everything the H200 verification runs, in order, each step logged with its time:
-# flashinfer's JIT modules (scripts/gpu/prebuild.py), the GPU tests (tests/gpu, graph mode on
+# flashinfer's JIT modules (benchmarks/gpu/prebuild.py), the GPU tests (tests/gpu, graph mode on
 # a whole encoder included), the whole-encoder graph timing (scripts/gpu/graph_encoder.py; off
 # with GRAPH_TIMING=0), the
 # conformance suite of every CUDA backend (scripts/gpu/conformance.sh), the host-time profile
@@ -12,7 +12,7 @@ run_dir=${1:?usage: scripts/gpu/pipeline.sh RUN_DIR}
 . scripts/gpu/pipeline_start.sh || exit 1
 
 step "prebuild: every flashinfer module the conformance runs and the benchmark load"
-python3 scripts/gpu/prebuild.py --budget "${PREBUILD_BUDGET:-1000}" >"$run_dir/prebuild.log" 2>&1
+python3 benchmarks/gpu/prebuild.py --budget "${PREBUILD_BUDGET:-1000}" >"$run_dir/prebuild.log" 2>&1
 step "prebuild rc=$?"
 tail -16 "$run_dir/prebuild.log"
 

@@ -28,7 +28,7 @@ step "1. prebuild of the bf16 modules, beside flex/torch-sdpa conformance and th
     zoo zoo-d16 16 200
 ) &
 beside=$!
-python3 scripts/gpu/prebuild.py --budget 420 \
+python3 benchmarks/gpu/prebuild.py --budget 420 \
     --only "$BF16_MODULES" \
     >"$run_dir/prebuild-bf16.log" 2>&1
 step "prebuild bf16 rc=$?"
@@ -48,7 +48,7 @@ gpu_tests() {  # gpu_tests FILE...: one pytest per file, so one file's device as
 step "2. prebuild of the remaining modules (no FMHA v2), beside the bf16-only GPU tests"
 gpu_tests test_rope_kernel test_graph_runner_gpu test_graph_encoder &
 beside=$!
-python3 scripts/gpu/prebuild.py --budget 420 --skip fmha_v2 >"$run_dir/prebuild-rest.log" 2>&1
+python3 benchmarks/gpu/prebuild.py --budget 420 --skip fmha_v2 >"$run_dir/prebuild-rest.log" 2>&1
 step "prebuild rest rc=$?"
 tail -6 "$run_dir/prebuild-rest.log"
 wait "$beside"

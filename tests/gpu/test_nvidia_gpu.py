@@ -3,7 +3,7 @@ output and never syncs the host, the kernel flashinfer really runs, batches long
 suite's, headwise's compiled block mask, and torch-varlen (torch's own flash kernel) on long
 batches with windows and on what it allocates.
 
-Every shape here uses a flashinfer JIT module that scripts/gpu/prebuild.py builds (bf16/fp16,
+Every shape here uses a flashinfer JIT module that benchmarks/gpu/prebuild.py builds (bf16/fp16,
 head dims 64 and 128), so nothing compiles for minutes inside a test.
 """
 

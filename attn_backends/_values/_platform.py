@@ -203,3 +203,14 @@ def parse_platform(text: str) -> Platform:
     if re.fullmatch(r"gfx[0-9a-f]+", arch) is None:
         raise PlatformError(f"ROCm architecture must look like gfx942, got {arch!r}")
     return Platform(kind="rocm", arch=arch, assumed=True)
+
+
+# `indexed`: a device as tensors report it, so device comparisons mean what they say.
+
+
+def indexed(device: torch.device | str) -> torch.device:
+    """``device`` with its index: ``cuda`` becomes ``cuda:<current device>``; others unchanged."""
+    dev = torch.device(device)
+    if dev.type == "cuda" and dev.index is None:
+        return torch.device("cuda", torch.cuda.current_device())
+    return dev

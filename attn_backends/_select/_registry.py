@@ -25,8 +25,6 @@ import pluggy
 from .._backend._capabilities import Capabilities
 from .._backend._protocol import BackendClass
 from .._backend._validation import capability_problems, name_problem
-from .._model._errors import PluginLoadError
-from .._model._platform import PLATFORM_KINDS, clear_required_libraries, note_required_libraries
 from .._path._rope_passes import (
     RopePass,
     collecting,
@@ -35,6 +33,8 @@ from .._path._rope_passes import (
     withdraw,
     withdraw_registry,
 )
+from .._values._errors import PluginLoadError
+from .._values._platform import PLATFORM_KINDS, clear_required_libraries, note_required_libraries
 from ._hooks import (
     BUILTIN_DISTRIBUTION,
     BUILTIN_PACKAGE,
@@ -42,8 +42,8 @@ from ._hooks import (
     PLUGIN_API_VERSION,
     PROJECT_NAME,
     HookSpecs,
+    Placement,
     PluginManifest,
-    Rank,
 )
 from ._isolation import (
     PLUGIN_TIMEOUT_ENV,
@@ -116,11 +116,11 @@ class BackendEntry:
     capabilities: Capabilities
     plugin: str
     order: int
-    """Registration order: places ranked next to the same backend go in this order."""
+    """Registration order: backends placed next to the same one go in this order."""
     origin: str = IN_PROCESS
     """Distribution and version the plugin came from (``attn-backends 0.1.0``), or in process."""
     builtin: bool = False
-    ranks: tuple[Rank, ...] = ()
+    placements: tuple[Placement, ...] = ()
     """Where the plugin placed this backend (a built-in is placed by the ranking table)."""
 
 
@@ -144,7 +144,7 @@ def _major(version: str) -> str:
 _MIGRATION = (
     "plugin API 2.0 registers backend classes (PluginManifest(backends=[MyBackend])), makes "
     "supports() and extra_reasons() classmethods, and places a backend with "
-    "PluginManifest(ranks=[Rank('my-backend', before='flashinfer')]) instead of "
+    "PluginManifest(placements=[Placement('my-backend', before='flashinfer')]) instead of "
     "Capabilities(priority=...) scores; see docs/plugin-guide.md"
 )
 
@@ -167,7 +167,7 @@ class _Offer:
     name: str
     backend: BackendClass
     capabilities: Capabilities
-    ranks: tuple[Rank, ...] = ()
+    placements: tuple[Placement, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -214,39 +214,45 @@ def _offer(backend: object) -> _Offer | str:
     return _Offer(name, cast(BackendClass, backend), caps)
 
 
-def _rank_problem(rank: object, offered: frozenset[str]) -> str | None:
-    """Why a manifest's rank cannot be used, or None."""
-    if not isinstance(rank, Rank):
-        return f"ranks must hold Rank values, got {type(rank).__name__}"
-    if rank.backend not in offered:
-        return f"{rank.describe()}: {rank.backend!r} is not a backend this plugin registers"
-    if (rank.before is None) == (rank.after is None):
-        return f"Rank({rank.backend!r}) needs exactly one of before= and after="
-    problem = name_problem(rank.anchor)
+def _placement_problem(placement: object, offered: frozenset[str]) -> str | None:
+    """Why a manifest's placement cannot be used, or None."""
+    if not isinstance(placement, Placement):
+        return f"placements must hold Placement values, got {type(placement).__name__}"
+    if placement.backend not in offered:
+        return (
+            f"{placement.describe()}: {placement.backend!r} is not a backend this plugin registers"
+        )
+    if (placement.before is None) == (placement.after is None):
+        return f"Placement({placement.backend!r}) needs exactly one of before= and after="
+    problem = name_problem(placement.anchor)
     if problem is not None:
-        return f"{rank.describe()}: the backend it is placed next to: {problem}"
-    if rank.anchor == rank.backend:
-        return f"{rank.describe()}: a backend cannot be placed next to itself"
-    if rank.platform is not None and rank.platform not in PLATFORM_KINDS:
-        return f"{rank.describe()}: platform must be one of {', '.join(PLATFORM_KINDS)} or None"
-    if not isinstance(rank.note, str):
-        return f"Rank({rank.backend!r}).note must be a str"
+        return f"{placement.describe()}: the backend it is placed next to: {problem}"
+    if placement.anchor == placement.backend:
+        return f"{placement.describe()}: a backend cannot be placed next to itself"
+    if placement.platform is not None and placement.platform not in PLATFORM_KINDS:
+        return (
+            f"{placement.describe()}: platform must be one of {', '.join(PLATFORM_KINDS)} or None"
+        )
+    if not isinstance(placement.note, str):
+        return f"Placement({placement.backend!r}).note must be a str"
     return None
 
 
-def _ranked(offers: list[_Offer], declared: list[object]) -> tuple[list[_Offer], list[str]]:
-    """The offers with their checked ranks attached, and the problems of the refused ranks
-    (a malformed rank leaves its backend chosen by name only, never the plugin refused)."""
+def _placed(offers: list[_Offer], declared: list[object]) -> tuple[list[_Offer], list[str]]:
+    """The offers with their checked placements attached, and the problems of the refused ones
+    (a malformed placement leaves its backend chosen by name only, never the plugin refused)."""
     offered = frozenset(o.name for o in offers)
     problems: list[str] = []
-    ranks: dict[str, list[Rank]] = {}
-    for rank in declared:
-        problem = _rank_problem(rank, offered)
+    placements: dict[str, list[Placement]] = {}
+    for placement in declared:
+        problem = _placement_problem(placement, offered)
         if problem is not None:
-            problems.append(f"rank refused: {problem}")
-        elif isinstance(rank, Rank):
-            ranks.setdefault(rank.backend, []).append(rank)
-    out = [_Offer(o.name, o.backend, o.capabilities, tuple(ranks.get(o.name, ()))) for o in offers]
+            problems.append(f"placement refused: {problem}")
+        elif isinstance(placement, Placement):
+            placements.setdefault(placement.backend, []).append(placement)
+    out = [
+        _Offer(o.name, o.backend, o.capabilities, tuple(placements.get(o.name, ()))) for o in offers
+    ]
     return out, problems
 
 
@@ -326,13 +332,14 @@ def _inspect(plugin: object, name: str, early: tuple[RopePass, ...] = ()) -> _In
     if isinstance(passes, str):
         return _Inspection("failed", problems=(f"refused: {passes}",))
     try:
-        declared: list[object] = list(manifest.ranks)
+        declared: list[object] = list(manifest.placements)
     except Exception as exc:
         return _Inspection(
-            "failed", problems=(f"manifest.ranks is not a sequence: {describe_exception(exc)}",)
+            "failed",
+            problems=(f"manifest.placements is not a sequence: {describe_exception(exc)}",),
         )
     judged = [_offer(backend) for backend in offered]
-    offers, problems = _ranked([o for o in judged if isinstance(o, _Offer)], declared)
+    offers, problems = _placed([o for o in judged if isinstance(o, _Offer)], declared)
     problems = [o for o in judged if isinstance(o, str)] + problems
     return _Inspection("loaded", tuple(offers), tuple(problems), tuple(passes))
 
@@ -516,7 +523,7 @@ class Registry:
                 self._next_order,
                 origin,
                 builtin,
-                offer.ranks,
+                offer.placements,
             )
             self._next_order += 1
             note_required_libraries(offer.capabilities.requires)

@@ -15,12 +15,11 @@ from dataclasses import replace
 
 import torch
 
-from .._model._errors import SpecError
-from .._model._features import AlibiSpec, SlidingWindow
-from .._model._presets import PRESETS
-from .._model._rope_scaling import RopeScaling
-from .._model._spec import AttentionSpec, RopeSpec
-from ._cli_args import CommandLineError
+from .._values._errors import SpecError
+from .._values._features import AlibiSpec, SlidingWindow
+from .._values._rope_scaling import RopeScaling
+from .._values._spec import PRESETS, AttentionSpec, RopeSpec
+from ._args import CommandLineError
 
 _DEFAULT = AttentionSpec(1, 1, 2, torch.bfloat16, causal=True)
 """The fields a spec without a preset starts from (heads and head dim are always given)."""

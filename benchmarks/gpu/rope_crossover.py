@@ -3,7 +3,7 @@
 
 Run from the repository root after ``. scripts/gpu/setup.sh`` (and the prebuild):
 
-    python3 scripts/gpu/rope_crossover.py OUT_DIR
+    python3 benchmarks/gpu/rope_crossover.py OUT_DIR
 
 For batches of equal-length sequences (about 16k tokens each, Qwen3-Embedding's attention:
 16/8 heads x 128, causal, RoPE theta 1e6, bf16) it times three paths through the public
@@ -34,7 +34,7 @@ from attn_backends import AttentionSpec, FMHAParams, RopeSpec, reference_attenti
 from attn_backends.reference import relative_error
 
 # The benchmark is not installed: import it from this checkout's benchmarks/ folder.
-sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks"))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from attn_backends_bench.timing import input_set_count, time_steps
 

@@ -2,8 +2,8 @@
 """Which backend should serve the specs flashinfer refuses: ``torch-sdpa`` against ``flex`` on
 the attention of real embedding models, through the public API, on one GPU.
 
-    python3 scripts/gpu/feature_backends.py OUT.json
-    python3 scripts/gpu/feature_backends.py OUT.json cpu     # smoke test: 4 short texts
+    python3 benchmarks/gpu/feature_backends.py OUT.json
+    python3 benchmarks/gpu/feature_backends.py OUT.json cpu     # smoke test: 4 short texts
 
 Specs (bf16, random inputs, lengths seeded): ModernBERT-base local layers (12 x 64, window
 64 on both sides), EmbeddingGemma local layers (3 q / 1 kv x 256, window 256 on both sides),
@@ -31,7 +31,7 @@ from attn_backends import reference_attention
 from attn_backends.reference import relative_error
 
 # The benchmark is not installed: import it from this checkout's benchmarks/ folder.
-sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks"))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from attn_backends_bench.timing import (
     event_block,

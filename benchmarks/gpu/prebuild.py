@@ -4,9 +4,9 @@
 Run from the repository root after ``. scripts/gpu/setup.sh`` (it sets the arch list, the job
 count and the cache directory; the cached modules are only found again with the same settings):
 
-    python3 scripts/gpu/prebuild.py              # build everything, print a per-module table
-    python3 scripts/gpu/prebuild.py --dry-run    # list the modules and the estimate; any machine
-    python3 scripts/gpu/prebuild.py --check      # also generate sources and a no-op ninja plan
+    python3 benchmarks/gpu/prebuild.py              # build everything, print a per-module table
+    python3 benchmarks/gpu/prebuild.py --dry-run    # list the modules and the estimate; any machine
+    python3 benchmarks/gpu/prebuild.py --check      # also generate sources and a no-op ninja plan
 
 The module list is derived, not written by hand: for ``flashinfer``, ``flashinfer-rope`` and
 ``trt``, every conformance case their declared capabilities generate
@@ -74,7 +74,7 @@ def backends() -> list[Backend]:
 
 
 def bench_specs() -> list[AttentionSpec]:
-    benchmarks = str(Path(__file__).resolve().parents[2] / "benchmarks")  # not installed
+    benchmarks = str(Path(__file__).resolve().parents[1])  # not installed
     if benchmarks not in sys.path:
         sys.path.insert(0, benchmarks)
     try:

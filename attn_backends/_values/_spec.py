@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass, field
+from types import MappingProxyType
 
 import torch
 
@@ -217,3 +219,20 @@ def kernel_rope_fusable(spec: AttentionSpec) -> bool:
 def spec_masked(spec: AttentionSpec) -> bool:
     """The spec restricts or biases scores beyond causality: a sliding window or ALiBi."""
     return spec.window is not None or spec.alibi is not None
+
+
+# Attention specs of the embedding/reranker models this path serves, by name.
+
+PRESETS: Mapping[str, AttentionSpec] = MappingProxyType(
+    {
+        "bert-base": AttentionSpec(12, 12, 64, torch.bfloat16, causal=False),
+        "bge-m3": AttentionSpec(16, 16, 64, torch.bfloat16, causal=False),
+        "qwen3-embedding-0.6b": AttentionSpec(
+            16, 8, 128, torch.bfloat16, causal=True, rope=RopeSpec(theta=1e6)
+        ),
+        "gte-qwen2-7b": AttentionSpec(28, 4, 128, torch.bfloat16, causal=True, rope=RopeSpec(1e6)),
+        "short": AttentionSpec(16, 8, 128, torch.bfloat16, causal=True, rope=RopeSpec(theta=1e6)),
+    }
+)
+"""Model name -> spec (bf16). BGE-M3 is XLM-R large-like in head shape; GTE-Qwen2-7B runs
+bidirectional in some serving stacks, here causal as in its reference implementation."""

@@ -1,6 +1,6 @@
 """The public API against the raw flashinfer call it wraps, as an engine sees them, on one GPU.
 
-    python3 scripts/gpu/engine_view.py OUT.json [WORKLOAD...]
+    python3 benchmarks/gpu/engine_view.py OUT.json [WORKLOAD...]
 
 For each workload (d64 bf16 shapes by default, so one flashinfer module serves them all):
 host µs per call (perf_counter around N calls with no sync, median of repeats, the queue drained
@@ -27,7 +27,7 @@ import attn_backends as ab
 from attn_backends.testing.graphs import capture_graph
 
 # The benchmark is not installed: import it from this checkout's benchmarks/ folder.
-sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks"))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from attn_backends_bench.paths import qkv_views
 

@@ -7,8 +7,8 @@ sources and the torch build, so later processes only load it. It registers the t
 for the process, so a machine without a compiler pays the check once.
 
 The cache is private to the user and checked before a library in it is loaded
-(`_native_cache`); builds are serialised by a lock that a killed builder cannot leave held, and
-a wait for another builder is bounded (`_build_lock`).
+(`_cache`); builds are serialised by a lock that a killed builder cannot leave held, and
+a wait for another builder is bounded (`_lock`).
 """
 
 from __future__ import annotations
@@ -25,10 +25,10 @@ from typing import Any
 
 import torch
 
-from .._model._errors import NativeBuildError
-from .._model._spec import AttentionSpec
-from ._build_lock import build_lock
-from ._native_cache import CACHE_PARTS, cache_base, check_libraries, private_dir, private_tree
+from ..._values._errors import NativeBuildError
+from ..._values._spec import AttentionSpec
+from ._cache import CACHE_PARTS, cache_base, check_libraries, private_dir, private_tree
+from ._lock import build_lock
 
 logger = logging.getLogger("attn_backends")
 
@@ -50,7 +50,7 @@ _error: NativeBuildError | None = None
 
 def source_dir() -> Path:
     """``csrc/`` inside the installed package (wheel), else beside it (source checkout)."""
-    here = Path(__file__).resolve().parent.parent  # the package root, above _path/
+    here = Path(__file__).resolve().parents[2]  # the package root, above _path/_native/
     for candidate in (here / "csrc", here.parent / "csrc"):
         if all((candidate / name).is_file() for name in SOURCES):
             return candidate

@@ -8,8 +8,8 @@ from dataclasses import dataclass
 import pluggy
 
 from .._backend._protocol import BackendClass
-from .._model._platform import PlatformKind
 from .._path._rope_passes import RopePass
+from .._values._platform import PlatformKind
 
 PROJECT_NAME = "attn_backends"
 ENTRY_POINT_GROUP = "attn_backends"
@@ -20,20 +20,20 @@ BUILTIN_PACKAGE = "attn_backends_builtin"
 PLUGIN_API_VERSION = "2.0"
 """Version of the plugin API (hook + protocol + contract). A plugin built for another major
 version is refused with a reason naming the version it needs. 2.0: backends are registered as
-classes and placed with `Rank` (1.0 registered instances that carried priority scores)."""
+classes and placed with `Placement` (1.0 registered instances that carried priority scores)."""
 
 hookspec = pluggy.HookspecMarker(PROJECT_NAME)
 hookimpl = pluggy.HookimplMarker(PROJECT_NAME)
 
 
 @dataclass(frozen=True)
-class Rank:
+class Placement:
     """Where a plugin's backend stands in selection: right before or right after a named one.
 
     The named backend's place is the ranking table's (`attn_backends explain` shows the rows),
     so a plugin's backend is considered only for requests that backend is considered for: it
     can never take over specs nobody asked it to serve. ``platform`` narrows it to one kind of
-    machine. A backend without a `Rank` runs only when chosen by name.
+    machine. A backend without a `Placement` runs only when chosen by name.
     """
 
     backend: str
@@ -58,7 +58,8 @@ class Rank:
 @dataclass(frozen=True)
 class PluginManifest:
     """What a plugin's hook returns: the API version it was built for, its backend classes,
-    where they rank (`Rank`), and the separate RoPE/logn passes it brings (`RopePass`).
+    where they stand in selection (`Placement`), and the separate RoPE/logn passes it brings
+    (`RopePass`).
 
     The passes are checked with the plugin and installed only if it loads; they leave with it
     (a registry replaced by ``reset_registry()`` included), so a plugin that fails leaves none
@@ -67,7 +68,7 @@ class PluginManifest:
 
     api_version: str
     backends: Sequence[BackendClass]
-    ranks: Sequence[Rank] = ()
+    placements: Sequence[Placement] = ()
     rope_passes: Sequence[RopePass] = ()
 
 

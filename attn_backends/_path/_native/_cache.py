@@ -13,7 +13,7 @@ import os
 import stat
 from pathlib import Path
 
-from .._model._errors import NativeBuildError
+from ..._values._errors import NativeBuildError
 
 CACHE_PARTS = ("attn_backends", "native")
 """The directories this library owns below the user's cache base, outermost first."""

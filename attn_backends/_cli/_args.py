@@ -13,11 +13,11 @@ from typing import TYPE_CHECKING, Any, NoReturn
 
 import torch
 
-from .._model._dtypes import parse_dtype
-from .._model._errors import AttentionBackendError, PlatformError
-from .._model._features import MAX_CHUNK_SIZE
-from .._model._platform import Platform, parse_platform
-from .._model._spec import MAX_ROPE_THETA
+from .._values._dtypes import parse_dtype
+from .._values._errors import AttentionBackendError, PlatformError
+from .._values._features import MAX_CHUNK_SIZE
+from .._values._platform import Platform, parse_platform
+from .._values._spec import MAX_ROPE_THETA
 
 if TYPE_CHECKING:
     from _typeshed import SupportsWrite

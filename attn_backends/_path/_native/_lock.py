@@ -27,7 +27,7 @@ from contextlib import contextmanager
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-from .._model._errors import NativeBuildError
+from ..._values._errors import NativeBuildError
 
 logger = logging.getLogger("attn_backends")
 

@@ -18,7 +18,7 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Generic, TypeVar
 
-from .._model._errors import InvalidArgumentError, PluginLoadError, ReentrantRegistryError
+from .._values._errors import InvalidArgumentError, PluginLoadError, ReentrantRegistryError
 
 logger = logging.getLogger("attn_backends")
 

@@ -1,1 +1,0 @@
-"""How backends arrive: the pluggy hook, the registry, isolation of plugin code, policy."""
