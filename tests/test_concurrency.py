@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import sys
 import threading
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 
 import pytest
 import torch
@@ -14,6 +14,7 @@ import attn_backends as ab
 import attn_backends.deploy
 import attn_backends.plugin as abp
 from tests.static_plugin import StaticPlugin
+from tests.threads import in_threads
 
 SPEC = ab.AttentionSpec(4, 2, 32, torch.float32, causal=True)
 THREADS = 16
@@ -28,30 +29,6 @@ def _busy_switching(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
     sys.setswitchinterval(1e-6)
     yield
     sys.setswitchinterval(before)
-
-
-def _in_threads(count: int, work: Callable[[int], object]) -> list[object]:
-    """Run ``work(i)`` in ``count`` threads released together; re-raise the first error."""
-    barrier = threading.Barrier(count)
-    results: list[object] = [None] * count
-    errors: list[BaseException] = []
-
-    def run(i: int) -> None:
-        barrier.wait()
-        try:
-            results[i] = work(i)
-        except BaseException as exc:
-            errors.append(exc)
-
-    threads = [threading.Thread(target=run, args=(i,)) for i in range(count)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(timeout=60)
-    assert not any(t.is_alive() for t in threads), "a thread is stuck"
-    if errors:
-        raise errors[0]
-    return results
 
 
 class _Counting(torch_sdpa.TorchSdpaBackend):
@@ -81,7 +58,7 @@ def test_concurrent_select_gives_one_decision_and_one_canary() -> None:
     reg.register_plugin(StaticPlugin(_Counting, first_on="cpu"), name="counting")
     ab.deploy.clear_selection_cache()
     _Counting.prepared = 0
-    results = _in_threads(
+    results = in_threads(
         THREADS, lambda _: ab.select(SPEC, device="cpu", strict=True, registry=reg)
     )
     first = results[0]
@@ -106,7 +83,7 @@ def test_concurrent_registrations_are_neither_lost_nor_torn() -> None:
             return []
         return [ab.select(SPEC, platform="cpu", registry=reg) for _ in range(per_thread)]
 
-    results = _in_threads(THREADS, work)
+    results = in_threads(THREADS, work)
     entries = reg.entries()
     assert len(entries) == 1 + writers * per_thread
     assert sorted(e.order for e in entries) == list(range(len(entries))), "lost an order slot"
@@ -120,7 +97,7 @@ def test_concurrent_registrations_are_neither_lost_nor_torn() -> None:
 
 def test_racing_for_one_backend_name_leaves_exactly_one_owner() -> None:
     reg = ab.deploy.Registry()
-    results = _in_threads(
+    results = in_threads(
         THREADS, lambda i: reg.register_plugin(StaticPlugin(_renamed("racer")), name=f"racer-{i}")
     )
     records = [r for r in results if isinstance(r, ab.deploy.PluginRecord)]

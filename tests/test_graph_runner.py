@@ -24,6 +24,7 @@ import attn_backends.reference
 from attn_backends.integrations import transformers as abt
 from attn_backends.integrations.graph_runner import GraphRunner
 from tests.fakes.fake_flashinfer import install
+from tests.threads import in_threads
 
 transformers = pytest.importorskip("transformers")
 
@@ -236,7 +237,6 @@ def test_graph_plans_are_made_once_per_bucket_and_updated_per_batch(monkeypatch)
 def test_two_threads_sharing_one_runner_get_exactly_their_own_batches():
     """A runner's bucket buffers are shared: its calls are serialized, so each thread's
     output is what the same batch gives alone."""
-    import threading
 
     model, _ = _models("qwen3")
     runner = GraphRunner(model, [SMALL])
@@ -245,20 +245,14 @@ def test_two_threads_sharing_one_runner_get_exactly_their_own_batches():
         runner(*batches[0][1:])  # the first batch runs eagerly through the integration
         alone = [runner(ids, cu).clone() for _, ids, cu in batches]
     got: dict[int, list[torch.Tensor]] = {0: [], 1: []}
-    start = threading.Barrier(2)
 
     def work(index: int) -> None:
         _, ids, cu = batches[index]
-        start.wait()
         with torch.inference_mode():
             for _ in range(20):
                 got[index].append(runner(ids, cu).clone())
 
-    threads = [threading.Thread(target=work, args=(i,)) for i in (0, 1)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
+    in_threads(2, work)
     for index, outs in got.items():
         assert len(outs) == 20
         for out in outs:

@@ -29,6 +29,7 @@ from attn_backends._path import _preprocess, _rope_passes
 from attn_backends._values import _platform
 from attn_backends.integrations import _hf_mask, _hf_models, _layout, _packed, _registered
 from attn_backends.integrations import transformers as hf
+from tests.threads import in_threads
 
 THREADS = 4
 CALLS = 200
@@ -36,27 +37,9 @@ CPU = torch.device("cpu")
 SPEC = ab.AttentionSpec(4, 2, 64, torch.float16, causal=True)
 
 
-def run_threads(work: Callable[[int], None]) -> None:
-    """``work(thread index)`` on `THREADS` threads released together; re-raises the first
-    failure."""
-    barrier = threading.Barrier(THREADS)
-    errors: list[BaseException] = []
-
-    def run(index: int) -> None:
-        try:
-            barrier.wait(timeout=10)
-            work(index)
-        except BaseException as exc:
-            errors.append(exc)
-
-    threads = [threading.Thread(target=run, args=(i,)) for i in range(THREADS)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(timeout=30)
-    assert not any(t.is_alive() for t in threads), "a thread did not finish"
-    if errors:
-        raise errors[0]
+def run_threads(work: Callable[[int], object]) -> None:
+    """``work(thread index)`` on `THREADS` threads released together."""
+    in_threads(THREADS, work, timeout=30)
 
 
 def finishes(action: Callable[[], None]) -> bool:
