@@ -343,9 +343,18 @@ _deciding: dict[_Key, threading.Lock] = {}
 and share its result (a strict canary runs once, not once per thread); other requests proceed."""
 
 
+_platforms: dict[tuple[str, tuple[str, ...]], Platform] = {}
+"""Detected platforms by device and probed libraries: the machine does not change under a
+process, so `select` probes it once per device (`clear_selection_cache` forgets them, for a
+library installed since)."""
+
+
 def clear_selection_cache() -> None:
+    """Forget every decision and every detected platform: the next `select` probes the machine
+    and decides again (after installing a library, or in tests)."""
     with _cache_lock:
         _cache.clear()
+        _platforms.clear()
 
 
 def _cached(key: _Key) -> Selection | None:
@@ -381,10 +390,17 @@ def _platform_for(
     """The platform to select for; a detected one has every library in ``libraries`` probed."""
     if platform is not None:
         return platform
+    key = (str(device), libraries)
+    with _cache_lock:
+        known = _platforms.get(key)
+    if known is not None:
+        return known
     try:
-        return detect_platform(device, extra_libraries=libraries)
+        found = detect_platform(device, extra_libraries=libraries)
     except (RuntimeError, AssertionError) as exc:
         raise PlatformError(f"cannot inspect device {device}: {exc}") from None
+    with _cache_lock:
+        return _platforms.setdefault(key, found)
 
 
 def _device(device: torch.device | str | None) -> torch.device | None:

@@ -59,7 +59,7 @@ import torch
 from .._select._selector import Selection, select
 from .._values._errors import IntegrationError, MaskMismatchError
 from .._values._spec import AttentionSpec
-from . import _hf_features, _hf_mask, _hf_models, _layout
+from . import _hf_features, _hf_mask, _hf_mask_kinds, _hf_models, _layout
 from ._hf_mask import MaskRequest
 from ._layout import BatchLayout
 from ._packed import PackedBatch, mark_served, pack_sequences, unpack_hidden
@@ -176,7 +176,11 @@ def padding_mask(
     if padding is not None and bool(padding.all()):
         padding = None
     function = kwargs.get("mask_function")
-    use_vmap = bool(kwargs.get("use_vmap", False))
+    # transformers vmaps as soon as a model adds a function of its own; a tree of functions
+    # recognised to broadcast is evaluated exactly without it (`_hf_mask_kinds`).
+    use_vmap = bool(kwargs.get("use_vmap", False)) and not _hf_mask_kinds.broadcastable(
+        kwargs.get("mask_function")
+    )
     evaluate = blocks = None
     if callable(function):
         evaluate = _hf_mask.hook_mask(function, padding, use_vmap, device)
