@@ -41,7 +41,8 @@ import importlib.metadata as md
 import flashinfer  # noqa: F401  (the import itself is the check)
 import torch
 
-from attn_backends import detect_platform, get_registry
+from attn_backends import detect_platform
+from attn_backends.deploy import get_registry
 
 names = [e.backend.name for e in get_registry().entries()]
 missing = {"flashinfer", "flashinfer-rope", "trt", "headwise"} - set(names)
