@@ -45,20 +45,25 @@ def recognised_codes() -> frozenset[types.CodeType]:
     from transformers import masking_utils as mu
 
     index = torch.zeros(1, 1, dtype=torch.long)
-    built: list[Callable[..., Any]] = [
-        mu.and_masks(),
-        mu.or_masks(),
-        mu.causal_mask_function,
-        mu.bidirectional_mask_function,
-        mu.sliding_window_overlay(1),
-        mu.sliding_window_bidirectional_overlay(1),
-        mu.chunked_overlay(1, index[0]),
-        mu.blockwise_overlay(index),
-        mu.padding_mask_function(index.bool()),
-        mu.packed_sequence_mask_function(index),
-        mu.remap_positions_for_packed_sequence(mu.causal_mask_function, index),
-        mu.add_offsets_to_mask_function(mu.causal_mask_function, 0, 0),
+    builders: list[tuple[str, tuple[object, ...]]] = [
+        ("and_masks", ()),
+        ("or_masks", ()),
+        ("causal_mask_function", ()),
+        ("bidirectional_mask_function", ()),
+        ("sliding_window_overlay", (1,)),
+        ("sliding_window_bidirectional_overlay", (1,)),
+        ("chunked_overlay", (1, index[0])),
+        ("blockwise_overlay", (index,)),
+        ("padding_mask_function", (index.bool(),)),
+        ("packed_sequence_mask_function", (index,)),
+        ("remap_positions_for_packed_sequence", (mu.causal_mask_function, index)),
+        ("add_offsets_to_mask_function", (mu.causal_mask_function, 0, 0)),
     ]
+    built: list[Callable[..., Any]] = []
+    for name, args in builders:  # a transformers release without one simply has fewer
+        factory = getattr(mu, name, None)
+        if callable(factory):
+            built.append(factory(*args) if args or name.endswith("masks") else factory)
     try:
         from transformers.models.gemma3 import modeling_gemma3
 
