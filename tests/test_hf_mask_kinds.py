@@ -107,3 +107,18 @@ def test_a_recognised_code_with_an_unknown_function_inside_keeps_vmap() -> None:
     assert not kinds.broadcastable(mu.remap_positions_for_packed_sequence(custom, torch.zeros(1)))
     assert not kinds.broadcastable(mu.add_offsets_to_mask_function(custom, 0, 0))
     assert kinds.broadcastable(mu.and_masks(mu.causal_mask_function, mu.causal_mask_function))
+
+
+def test_a_transformers_release_without_a_primitive_recognises_the_others(monkeypatch) -> None:
+    """transformers 5.17 has no ``remap_positions_for_packed_sequence``: recognition must
+    not assume every primitive of the newest release exists (it failed every packed
+    EmbeddingGemma batch on the H200 once)."""
+    monkeypatch.delattr(mu, "remap_positions_for_packed_sequence")
+    kinds.recognised_codes.cache_clear()
+    try:
+        assert kinds.broadcastable(mu.sliding_window_causal_mask_function(4))
+        remapped = mu.add_offsets_to_mask_function(mu.causal_mask_function, 0, 0)
+        assert kinds.broadcastable(remapped)
+    finally:
+        monkeypatch.undo()
+        kinds.recognised_codes.cache_clear()

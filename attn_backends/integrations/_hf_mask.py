@@ -24,9 +24,11 @@ What attn_backends computes for a layout (``BatchLayout``):
 
 The cost is what transformers' sdpa path pays for its own mask (rows x seq x seq booleans for
 a padded batch, the sum of squared lengths for a packed one), evaluated in tiles, once per
-forward and mask kind, not per layer. An evaluation costs milliseconds of host time whatever
-its size, so packed sequences of similar length share one (`hook_blocks`), and tiles are
-larger on a CUDA device than on a CPU (`tile_elements`).
+forward and mask kind, not per layer. A mask built only from functions recognised to broadcast
+(`_hf_mask_kinds`: transformers' own primitives) is evaluated by plain broadcasting, exactly;
+one with a function of the model's own goes through vmap, which costs milliseconds of host
+time per evaluation whatever its size, so packed sequences of similar length share one
+(`hook_blocks`), and tiles are larger on a CUDA device than on a CPU (`tile_elements`).
 """
 
 from __future__ import annotations
