@@ -136,7 +136,7 @@ def test_plugin_that_raises_in_its_hook(
         ),
         (
             "PluginManifest('2.0', [int])",
-            "int is not a backend class: it has no name, capabilities, supports",
+            "int is not a backend class: it has no name",
         ),
         ("PluginManifest(1, [])", "api_version must be a str"),
     ],

@@ -190,17 +190,18 @@ def _offer(backend: object) -> _Offer | str:
             f"classes: list {kind} itself"
         )
     kind = backend.__name__
-    missing = [a for a in ("name", "capabilities", "supports") if a not in dir(backend)]
-    if missing:
-        return (
-            f"{kind} is not a backend class: it has no {', '.join(missing)} (subclass "
-            "attn_backends.plugin.PrefillBackend)"
-        )
     declared: Any = backend  # a plugin's class: its declarations are checked below
     try:
         name: object = declared.name
         caps: object = declared.capabilities
         judge: object = declared.supports
+    except AttributeError as exc:
+        if exc.obj is not backend:  # raised inside a declaration, not a missing one
+            return f"{kind} raised while being inspected: {describe_exception(exc)}"
+        return (
+            f"{kind} is not a backend class: it has no {exc.name} (subclass "
+            "attn_backends.plugin.PrefillBackend)"
+        )
     except Exception as exc:
         return f"{kind} raised while being inspected: {describe_exception(exc)}"
     problem = name_problem(name)
