@@ -1,3 +1,3 @@
-"""The decision and its record: the request, the selector, the strict-mode canary, ranks and warm-
-up.
+"""How backends arrive and which one runs: the plugin hook and registry, the ranking table, the
+selector and its record, the strict-mode canary, agreement across ranks, and warm-up.
 """
