@@ -18,11 +18,16 @@ Paths, each checked against the first before it is timed (min cosine of the embe
 
 Per path: tokens/s (valid tokens over the median batch latency) and p50/p99 latency per batch
 (one ``encode`` call of the whole workload, with sentence-transformers' default batch size of
-`ST_BATCH`: it sorts the texts by length and pads each batch to its longest). ``--dry`` runs tiny
-models on short texts in seconds on CPU.
+`ST_BATCH`: it sorts the texts by length and pads each batch to its longest), and each path's
+time over ``st-padded-sdpa``'s (below 1: faster than what a user runs today). ``--dry`` runs tiny
+models on short texts in seconds on CPU. ``--cpu-tiny`` runs the tiny models on CPU with the
+serving workloads (1, 8 and 32 queries, 64 documents of 16..64 tokens) and profiles the
+integration: host time per attention layer call beyond the kernel, split into the mask hook,
+the attention hook around the backend, and the backend's path around its kernel.
 
     python3 benchmarks/serving_bench.py --out OUT [--models bge-m3,qwen3] [--repeats 30]
     python3 benchmarks/serving_bench.py --dry
+    python3 benchmarks/serving_bench.py --cpu-tiny [--repeats 30]
 """
 
 from __future__ import annotations
@@ -348,6 +353,85 @@ class Paths:
         return self._flash
 
 
+@contextlib.contextmanager
+def _timed(owner: Any, attribute: str, spent: list[float]) -> Iterator[None]:
+    """``owner.attribute`` wrapped to add its wall time (seconds) to ``spent``, restored on
+    exit (a class attribute it inherited is inherited again)."""
+    inner = getattr(owner, attribute)
+    own = attribute in vars(owner)
+
+    def timed(*args: Any, **kwargs: Any) -> Any:
+        start = time.perf_counter()
+        try:
+            return inner(*args, **kwargs)
+        finally:
+            spent.append(time.perf_counter() - start)
+
+    setattr(owner, attribute, timed)
+    try:
+        yield
+    finally:
+        if own:
+            setattr(owner, attribute, inner)
+        else:
+            delattr(owner, attribute)
+
+
+def host_per_layer(paths: Paths, batch: list[str], encodes: int = 10) -> dict[str, float]:
+    """The integration's host time per attention layer call beyond the kernel, for the packed
+    path (CPU: the kernel's own time is its host time, so it is taken out): the mask hook, the
+    attention hook minus the backend's ``forward``, and ``forward`` minus the kernel call
+    (``attend``), averaged over ``encodes`` encodes."""
+    from transformers import AttentionInterface
+    from transformers.masking_utils import AttentionMaskInterface
+
+    from attn_backends.integrations.transformers import decisions
+
+    model = paths.packed
+    name = model[0].model.config._attn_implementation  # what runs now (a runner may switch it)
+    model.encode(batch, batch_size=ST_BATCH, convert_to_tensor=True)
+    backend_class = type(decisions()[-1].backend)
+    hook: list[float] = []
+    mask: list[float] = []
+    forward: list[float] = []
+    kernel: list[float] = []
+    attention = AttentionInterface._global_mapping
+    masks = AttentionMaskInterface._global_mapping
+    original_attention, original_mask = attention[name], masks[name]
+
+    def timed_attention(*args: Any, **kwargs: Any) -> Any:
+        start = time.perf_counter()
+        try:
+            return original_attention(*args, **kwargs)
+        finally:
+            hook.append(time.perf_counter() - start)
+
+    def timed_mask(*args: Any, **kwargs: Any) -> Any:
+        start = time.perf_counter()
+        try:
+            return original_mask(*args, **kwargs)
+        finally:
+            mask.append(time.perf_counter() - start)
+
+    attention[name], masks[name] = timed_attention, timed_mask
+    try:
+        with _timed(backend_class, "forward", forward), _timed(backend_class, "attend", kernel):
+            for _ in range(encodes):
+                model.encode(batch, batch_size=ST_BATCH, convert_to_tensor=True)
+    finally:
+        attention[name], masks[name] = original_attention, original_mask
+    calls = max(1, len(hook))
+    us = 1e6 / calls
+    parts = {
+        "mask_hook": sum(mask) * us,
+        "hook": (sum(hook) - sum(forward)) * us,
+        "backend_path": (sum(forward) - sum(kernel)) * us,
+    }
+    parts["total"] = sum(parts.values())
+    parts["calls"] = float(calls)
+    return parts
+
+
 def run_workload(
     paths: Paths, batch: list[str], queries: bool, repeats: int
 ) -> Iterator[PathResult]:
@@ -420,10 +504,11 @@ def run_workload(
         yield result
 
 
-def workloads(dry: bool) -> dict[str, list[str]]:
+def workloads(dry: bool, cpu_tiny: bool = False) -> dict[str, list[str]]:
     if dry:
         return {"documents 8 x 6..32": texts(8, 6, 32, 0), "queries 3 x 4..10": texts(3, 4, 10, 1)}
-    found = {"documents 64 x 16..512": texts(64, 16, 512, 0)}
+    longest = 64 if cpu_tiny else 512  # the tiny models hold 64 positions
+    found = {f"documents 64 x 16..{longest}": texts(64, 16, longest, 0)}
     for n in (1, 8, 32):
         found[f"queries {n} x 8..40"] = texts(n, 8, 40, n)
     return found
@@ -445,6 +530,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--models", default="bge-m3,qwen3,modernbert,embeddinggemma")
     parser.add_argument("--repeats", type=int, default=30)
     parser.add_argument("--dry", action="store_true", help="tiny models on CPU, in seconds")
+    parser.add_argument(
+        "--cpu-tiny",
+        action="store_true",
+        help="tiny models on CPU with the serving workloads, and the integration's host time "
+        "per layer beyond the kernel",
+    )
     parser.add_argument("--device", default=None)
     parser.add_argument(
         "--workloads",
@@ -453,8 +544,11 @@ def main(argv: list[str] | None = None) -> int:
         "default: every workload",
     )
     args = parser.parse_args(argv)
+    tiny = args.dry or args.cpu_tiny
     device = torch.device(
-        args.device or ("cuda" if torch.cuda.is_available() and not args.dry else "cpu")
+        "cpu"
+        if args.cpu_tiny
+        else args.device or ("cuda" if torch.cuda.is_available() and not tiny else "cpu")
     )
     repeats = 2 if args.dry else args.repeats
     cases = _cases()
@@ -462,17 +556,20 @@ def main(argv: list[str] | None = None) -> int:
     unknown = [n for n in names if n not in cases]
     if unknown:
         parser.error(f"unknown models {unknown}; choose from {sorted(cases)}")
-    chosen = _chosen(workloads(args.dry), args.workloads)
+    found = workloads(args.dry, args.cpu_tiny)
+    chosen = _chosen(found, args.workloads)
     if not chosen:
-        parser.error(f"--workloads {args.workloads!r} names none of {list(workloads(args.dry))}")
+        parser.error(f"--workloads {args.workloads!r} names none of {list(found)}")
     report: list[dict[str, Any]] = []
     with tempfile.TemporaryDirectory() as tmp:
         for name in names:
-            st_dir = build_model(name, cases[name], Path(tmp), args.dry, 64 if args.dry else 8192)
-            paths = Paths(st_dir, cases[name], device, args.dry)
+            st_dir = build_model(name, cases[name], Path(tmp), tiny, 64 if tiny else 8192)
+            paths = Paths(st_dir, cases[name], device, tiny)
             for workload, batch in chosen:
                 queries = workload.startswith("queries")
                 for result in run_workload(paths, batch, queries, repeats):
+                    if result.path == "st-packed" and args.cpu_tiny and result.status == "ok":
+                        result.extra["host_us_per_layer"] = host_per_layer(paths, batch)
                     report.append({"model": name, "workload": workload, **asdict(result)})
                     print(_markdown(report[-1:], device).splitlines()[-1], flush=True)
                     _write(args.out, report, device)  # a run cut short keeps what it measured
@@ -495,20 +592,43 @@ def _markdown(report: list[dict[str, Any]], device: torch.device) -> str:
         f"device: {torch.cuda.get_device_name(device) if device.type == 'cuda' else 'cpu'}",
         "",
         "| model | workload | path | tokens (valid/padded) | tokens/s | p50 ms | p99 ms "
-        "| min cos | status |",
-        "|---|---|---|---|---:|---:|---:|---:|---|",
+        "| time / st-padded-sdpa | min cos | status |",
+        "|---|---|---|---|---:|---:|---:|---:|---:|---|",
     ]
+    padded = {
+        (r["model"], r["workload"]): r["p50_ms"] for r in report if r["path"] == "st-padded-sdpa"
+    }
 
     def num(x: float | None, fmt: str) -> str:
         return "" if x is None else format(x, fmt)
 
     for r in report:
         cells = f"{r['tokens']}" + (f" / {r['padded_tokens']}" if r["padded_tokens"] else "")
+        base = padded.get((r["model"], r["workload"]))
+        ratio = r["p50_ms"] / base if r["p50_ms"] is not None and base else None
         lines.append(
             f"| {r['model']} | {r['workload']} | {r['path']} | {cells} | "
             f"{num(r['tokens_per_s'], ',.0f')} | {num(r['p50_ms'], '.2f')} | "
-            f"{num(r['p99_ms'], '.2f')} | {num(r['min_cosine'], '.6f')} | {r['status']} |"
+            f"{num(r['p99_ms'], '.2f')} | {num(ratio, '.2f')} | {num(r['min_cosine'], '.6f')} | "
+            f"{r['status']} |"
         )
+    hosts = [r for r in report if "host_us_per_layer" in r.get("extra", {})]
+    if hosts:
+        lines += [
+            "",
+            "Host time per attention layer call of `st-packed`, beyond the kernel (µs; one "
+            "profiled encode after the timed ones):",
+            "",
+            "| model | workload | mask hook per layer | attention hook around the backend "
+            "| backend path around the kernel | total beyond the kernel |",
+            "|---|---|---:|---:|---:|---:|",
+        ]
+        for r in hosts:
+            h = r["extra"]["host_us_per_layer"]
+            lines.append(
+                f"| {r['model']} | {r['workload']} | {h['mask_hook']:.1f} | {h['hook']:.1f} | "
+                f"{h['backend_path']:.1f} | {h['total']:.1f} |"
+            )
     return "\n".join(lines) + "\n"
 
 

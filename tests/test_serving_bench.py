@@ -80,3 +80,34 @@ def test_the_padding_count_leaves_no_hook_for_the_compiler(tmp_path, monkeypatch
     assert cells and all(rows <= 5 for rows, _ in cells)
     paths.encode_compiled(batch)
     assert compiled == [{}]
+
+
+def test_cpu_tiny_mode_reports_the_ratio_and_the_host_time_beyond_the_kernel(tmp_path):
+    bench = _load()
+    args = ["--cpu-tiny", "--models", "bge-m3", "--repeats", "2", "--workloads", "queries 8"]
+    assert bench.main([*args, "--out", str(tmp_path)]) == 0
+    report = json.loads((tmp_path / "serving_bench.json").read_text())
+    packed = next(r for r in report if r["path"] == "st-packed")
+    host = packed["extra"]["host_us_per_layer"]
+    assert host["calls"] > 0, "the profiled encode reached the attention hook"
+    parts = ("mask_hook", "hook", "backend_path")
+    assert all(host[k] >= 0 for k in parts), host
+    assert host["total"] == pytest.approx(sum(host[k] for k in parts))
+    table = (tmp_path / "serving_bench.md").read_text()
+    assert "| time / st-padded-sdpa |" in table and "total beyond the kernel" in table
+
+
+def test_a_timed_inherited_method_is_inherited_again_afterwards():
+    bench = _load()
+
+    class Base:
+        def work(self) -> int:
+            return 7
+
+    class Child(Base):
+        pass
+
+    spent: list[float] = []
+    with bench._timed(Child, "work", spent):
+        assert Child().work() == 7
+    assert len(spent) == 1 and "work" not in vars(Child)
