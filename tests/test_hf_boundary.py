@@ -499,9 +499,12 @@ def test_case8_a_backend_disabled_afterwards_is_not_served(monkeypatch):
     assert {"torch-sdpa", "flex"} <= {s.name for s in abt.decisions()}
 
 
-def test_the_mask_check_runs_once_per_forward_and_mask_kind(monkeypatch):
-    """The model's mask is evaluated once per batch per (layout, causal, window), not per
-    layer: Mistral with a window has one kind on every layer."""
+def test_the_mask_check_runs_once_per_class_of_call(monkeypatch):
+    """The model's mask is checked once per (mask function as a value, spec, layout class),
+    not per layer nor per batch: Mistral with a window has one kind on every layer, and
+    batches of other lengths, padded contiguously on either side, are of the class the first
+    one proved. A batch with a hole between valid tokens is of no provable class: it is
+    checked in full (and refused: the window counts columns in the model, tokens here)."""
     model = _mistral(window=3)
     model.config.num_hidden_layers = 2
     calls: list[object] = []
@@ -515,4 +518,11 @@ def test_the_mask_check_runs_once_per_forward_and_mask_kind(monkeypatch):
     hf.run(model, NAME, input_ids=_ids(2, 8))
     assert len(calls) == 1
     hf.run(model, NAME, input_ids=_ids(2, 8))
+    hf.run(model, NAME, input_ids=_ids(3, 6, seed=1))
+    left = torch.tensor([[0, 0, 1, 1, 1, 1, 1], [1, 1, 1, 1, 1, 1, 1]])
+    _served_matches_eager(model, input_ids=_ids(2, 7, seed=2), attention_mask=left)
+    assert len(calls) == 1, "batches of a proved class are not checked again"
+    hole = torch.tensor([[1, 1, 0, 1, 1, 1, 1], [1, 1, 1, 1, 1, 1, 1]])
+    with pytest.raises(abt.MaskMismatchError):
+        hf.run(model, NAME, input_ids=_ids(2, 7, seed=3), attention_mask=hole)
     assert len(calls) == 2

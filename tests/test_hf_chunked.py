@@ -93,8 +93,11 @@ def _compare(model: Any, inputs: dict[str, Any]) -> tuple[float, float]:
 
 
 @pytest.fixture
-def checks(monkeypatch: pytest.MonkeyPatch) -> list[ab.AttentionSpec]:
-    """The specs the mask check compared the model's own mask with."""
+def checks(model: Any, monkeypatch: pytest.MonkeyPatch) -> list[ab.AttentionSpec]:
+    """The specs the mask check compared the model's own mask with, from a model that has
+    proved no class of call yet (the module-scoped model would carry an earlier test's)."""
+    for module in model.modules():
+        module.__dict__.pop(abt._PROOFS, None)
     seen: list[ab.AttentionSpec] = []
     real = _hf_mask.check_mask
 

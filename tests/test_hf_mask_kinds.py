@@ -1,8 +1,12 @@
 """Mask functions recognised to broadcast: transformers' non-vmap evaluation of each equals
 its own vmap evaluation (the oracle), on random grids with padding; anything not recognised
-keeps vmap."""
+keeps vmap. Mask functions as values: a check passed for a class of call holds for every batch
+of the class, proven against the full check on random batches."""
 
 from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
 
 import pytest
 import torch
@@ -12,7 +16,10 @@ pytest.importorskip("transformers")
 from transformers import masking_utils as mu
 from transformers.models.gemma3 import modeling_gemma3
 
+import attn_backends as ab
+from attn_backends.integrations import _hf_mask, _layout
 from attn_backends.integrations import _hf_mask_kinds as kinds
+from attn_backends.integrations import transformers as abt
 
 
 def _grid(function, padding: torch.Tensor, use_vmap: bool) -> torch.Tensor:
@@ -122,3 +129,116 @@ def test_a_transformers_release_without_a_primitive_recognises_the_others(monkey
     finally:
         monkeypatch.undo()
         kinds.recognised_codes.cache_clear()
+
+
+# ---- the proof: a check passed for a class of call holds for every batch of the class --------
+
+CPU = torch.device("cpu")
+KINDS = ["causal", "sliding-causal", "bidirectional", "sliding-bidirectional"]
+
+
+def _kinds(window: int) -> dict[str, tuple[Callable[..., Any], bool, ab.SlidingWindow | None]]:
+    """Mask function, causal flag and the window the spec must carry for it."""
+    return {
+        "causal": (mu.causal_mask_function, True, None),
+        "sliding-causal": (
+            mu.sliding_window_causal_mask_function(window),
+            True,
+            ab.SlidingWindow(window - 1, 0),
+        ),
+        "bidirectional": (mu.bidirectional_mask_function, False, None),
+        "sliding-bidirectional": (
+            mu.sliding_window_bidirectional_mask_function(window),
+            False,
+            ab.SlidingWindow(window, window),
+        ),
+    }
+
+
+def _rows_case(
+    function: Callable[..., Any], gen: torch.Generator
+) -> tuple[_hf_mask.MaskRequest, _layout.BatchLayout]:
+    batch, length = (
+        int(torch.randint(1, 4, (), generator=gen)),
+        int(torch.randint(2, 12, (), generator=gen)),
+    )
+    padding = torch.zeros(batch, length, dtype=torch.bool)
+    for row in range(batch):
+        count = int(torch.randint(1, length + 1, (), generator=gen))
+        start = int(torch.randint(0, length - count + 1, (), generator=gen))
+        padding[row, start : start + count] = True
+    pad = None if bool(padding.all()) else padding
+    request = _hf_mask.MaskRequest(
+        "test", batch, length, CPU, pad, _hf_mask.hook_mask(function, pad, False, CPU)
+    )
+    request.blocks = _hf_mask.hook_blocks(function, pad, False, CPU)
+    return request, _layout.from_padding_mask(padding)
+
+
+def _packed_case(
+    function: Callable[..., Any], causal: bool, gen: torch.Generator
+) -> tuple[_hf_mask.MaskRequest, _layout.BatchLayout]:
+    lengths = torch.randint(1, 7, (int(torch.randint(2, 5, (), generator=gen)),), generator=gen)
+    ids = torch.repeat_interleave(torch.arange(len(lengths)), lengths)[None]
+    full = mu.and_masks(function, mu.packed_sequence_mask_function(ids)) if causal else function
+    cu = torch.cat([torch.zeros(1, dtype=torch.int32), lengths.cumsum(0).int()])
+    tokens = int(cu[-1])
+    request = _hf_mask.MaskRequest(
+        "test", 1, tokens, CPU, None, _hf_mask.hook_mask(full, None, False, CPU)
+    )
+    request.blocks = _hf_mask.hook_blocks(full, None, False, CPU)
+    found = kinds.proof_signature(full)
+    assert found is not None
+    request.proof, packed = found
+    request.packed_ids = tuple(packed)
+    return request, _layout.from_cu_seqlens(cu, 1, tokens)
+
+
+@pytest.mark.parametrize(
+    "kind", ["causal", "sliding-causal", "bidirectional", "sliding-bidirectional"]
+)
+def test_every_batch_of_a_proved_class_passes_the_full_check(kind: str) -> None:
+    """The claim the cache rests on, checked against the full check itself on random batches:
+    one key per class, and every batch with that key passes."""
+    gen = torch.Generator().manual_seed(KINDS.index(kind))
+    function, causal, window = _kinds(3)[kind]
+    spec = ab.AttentionSpec(2, 2, 8, torch.float32, causal=causal, window=window)
+    keys: dict[str, set[object]] = {"rows": set(), "packed": set()}
+    for _ in range(12):
+        request, layout = _rows_case(function, gen)
+        found = kinds.proof_signature(function)
+        assert found is not None
+        request.proof, _ = found
+        keys["rows"].add(abt._mask_proof(request, layout, spec))
+        assert request.evaluate is not None
+        _hf_mask.check_mask(
+            request.evaluate, layout, spec, model_name="m", layer="l", blocks=request.blocks
+        )
+        request, layout = _packed_case(function, causal, gen)
+        keys["packed"].add(abt._mask_proof(request, layout, spec))
+        assert request.evaluate is not None
+        _hf_mask.check_mask(
+            request.evaluate, layout, spec, model_name="m", layer="l", blocks=request.blocks
+        )
+    assert all(len(found) == 1 and None not in found for found in keys.values()), keys
+
+
+def test_a_batch_of_no_provable_class_has_no_proof() -> None:
+    spec = ab.AttentionSpec(2, 2, 8, torch.float32, causal=True)
+    hole = torch.tensor([[True, False, True, True]])
+    request = _hf_mask.MaskRequest(
+        "test", 1, 4, CPU, hole, _hf_mask.hook_mask(mu.causal_mask_function, hole, False, CPU)
+    )
+    request.proof = kinds.proof_signature(mu.causal_mask_function)[0]  # type: ignore[index]
+    assert abt._mask_proof(request, _layout.from_padding_mask(hole), spec) is None
+    request.proof = None  # a function not built from shift-free primitives
+    assert (
+        abt._mask_proof(request, _layout.from_padding_mask(torch.ones(1, 4).bool()), spec) is None
+    )
+    # packed ids that do not change at the layout's boundaries
+    cu = torch.tensor([0, 2, 4], dtype=torch.int32)
+    wrong = torch.tensor([[0, 0, 0, 1]])
+    function = mu.and_masks(mu.causal_mask_function, mu.packed_sequence_mask_function(wrong))
+    request.proof, ids = kinds.proof_signature(function)  # type: ignore[misc]
+    request.packed_ids = tuple(ids)
+    assert abt._mask_proof(request, _layout.from_cu_seqlens(cu, 1, 4), spec) is None

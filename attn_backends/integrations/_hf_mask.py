@@ -135,6 +135,12 @@ class MaskRequest:
     layouts: dict[Hashable, tuple[object, BatchLayout]] = field(default_factory=dict)
     """Per layout source: the source object (kept alive, so its id stays its own) and the
     layout."""
+    proof: tuple[object, ...] | None = None
+    """The mask function as a value (`_hf_mask_kinds.proof_signature`) when it is built from
+    shift-free primitives, else None: a check passed for it holds for every batch of the same
+    class (`transformers._mask_proof`)."""
+    packed_ids: tuple[torch.Tensor, ...] = ()
+    """The packed-sequence ids the function reads, checked against each batch's layout."""
     checked: set[Hashable] = field(default_factory=set)
     selections: dict[Hashable, Selection] = field(default_factory=dict)
     _causal: list[bool] = field(default_factory=list)
@@ -628,6 +634,12 @@ def _explain(
 class _Mask4D:
     allowed: torch.Tensor
     layout: BatchLayout
+    proof: tuple[object, ...] | None = None
+    """The mask function as a value (`_hf_mask_kinds.proof_signature`) when it is built from
+    shift-free primitives, else None: a check passed for it holds for every batch of the same
+    class (`transformers._mask_proof`)."""
+    packed_ids: tuple[torch.Tensor, ...] = ()
+    """The packed-sequence ids the function reads, checked against each batch's layout."""
     checked: set[Hashable] = field(default_factory=set)
 
 

@@ -26,7 +26,7 @@ import types
 from collections.abc import Callable
 from typing import Any
 
-__all__ = ["broadcastable", "recognised_codes"]
+__all__ = ["Signature", "broadcastable", "proof_signature", "recognised_codes"]
 
 _CONSTANT_NAMES = frozenset({"torch", "tensor", "bool"})
 """The names a constant mask function may use (Gemma 3's or-mask:
@@ -110,3 +110,65 @@ def broadcastable(function: object, *, depth: int = 0) -> bool:
         return False
     inner = _composed(function)
     return inner is None or all(broadcastable(f, depth=depth + 1) for f in inner)
+
+
+@functools.cache
+def _roles() -> tuple[frozenset[types.CodeType], frozenset[types.CodeType], types.CodeType | None]:
+    """The codes whose masks depend on the query and key only through ``q - k`` (shift-free),
+    the composing ones (``and_masks``/``or_masks``), and ``packed_sequence_mask_function``'s."""
+    import torch
+    from transformers import masking_utils as mu
+
+    shift_free: list[Callable[..., Any]] = [
+        mu.causal_mask_function,
+        mu.bidirectional_mask_function,
+        mu.sliding_window_overlay(1),
+        mu.sliding_window_bidirectional_overlay(1),
+    ]
+    try:
+        from transformers.models.gemma3 import modeling_gemma3
+
+        shift_free.append(modeling_gemma3._bidirectional_window_overlay(1))
+    except (ImportError, AttributeError):
+        pass
+    composing = frozenset({mu.and_masks().__code__, mu.or_masks().__code__})
+    packed = mu.packed_sequence_mask_function(torch.zeros(1, 1, dtype=torch.long)).__code__
+    return frozenset(f.__code__ for f in shift_free), composing, packed
+
+
+Signature = tuple[object, ...]
+
+
+def proof_signature(function: object, *, depth: int = 0) -> tuple[Signature, list[Any]] | None:
+    """What a mask function is, as a value, when it is built from shift-free primitives (and
+    packed-sequence ids), with the id tensors it reads; None for anything else.
+
+    Two functions with one signature compute one mask on every batch whose ids are the
+    layout's sequences, and the mask of a sequence does not depend on where it starts: so the
+    check of the model's mask against the library's, passed once for a signature and a spec,
+    holds for every such batch (`transformers._mask_proof`)."""
+    if depth > 32 or not isinstance(function, types.FunctionType):
+        return None
+    if _constant(function):
+        return (function.__code__,), []
+    shift_free, composing, packed = _roles()
+    code = function.__code__
+    closure = function.__closure__ or ()
+    cells = dict(zip(code.co_freevars, (c.cell_contents for c in closure), strict=True))
+    if code in composing:
+        parts: list[Signature] = []
+        data: list[Any] = []
+        for inner in cells.get("mask_functions", ()):
+            found = proof_signature(inner, depth=depth + 1)
+            if found is None:
+                return None
+            parts.append(found[0])
+            data += found[1]
+        return (code, tuple(parts)), data
+    if code == packed:
+        return (code,), [cells.get("packed_sequence_mask")]
+    if code in shift_free and all(
+        isinstance(v, (int, float, bool)) or v is None for v in cells.values()
+    ):
+        return (code, tuple(sorted(cells.items()))), []
+    return None

@@ -49,6 +49,7 @@ needs it.
 from __future__ import annotations
 
 import functools
+import itertools
 import logging
 import threading
 from collections.abc import Hashable, Mapping
@@ -203,6 +204,10 @@ def padding_mask(
     if config is not None:
         request.attention_layers = _hf_models.attention_layers(config)
         request.mixers = _hf_models.token_mixers_outside_attention(config)
+    proof = _hf_mask_kinds.proof_signature(function)
+    if proof is not None:
+        request.proof, ids = proof
+        request.packed_ids = tuple(ids)
     return _hf_mask.record(_hf_mask.guard(token, model), request)
 
 
@@ -488,14 +493,19 @@ def _batch_layout(
         layout = _hooked_layout(request, batch, seq, kwargs, layer)
         verdict = (id(layout), spec.causal, spec.window, spec.chunk_size)
         if request.evaluate is not None and verdict not in request.checked:
-            _hf_mask.check_mask(
-                request.evaluate,
-                layout,
-                spec,
-                model_name=request.model,
-                layer=layer,
-                blocks=request.blocks,
-            )
+            proof = _mask_proof(request, layout, spec)
+            proven: set[Hashable] = module.__dict__.setdefault(_PROOFS, set())
+            if proof is None or proof not in proven:
+                _hf_mask.check_mask(
+                    request.evaluate,
+                    layout,
+                    spec,
+                    model_name=request.model,
+                    layer=layer,
+                    blocks=request.blocks,
+                )
+                if proof is not None:
+                    proven.add(proof)
             request.checked.add(verdict)
         return layout
     if attention_mask is None:
@@ -521,6 +531,57 @@ def _batch_layout(
         "its meaning is unknown; pass the 2-D padding mask to the model (which builds the "
         "layer masks through the registered mask function) or a 4-D [batch, 1, seq, seq] mask"
     )
+
+
+_PROOFS = "_attn_backends_mask_proofs"
+"""The attention module's set of mask proofs (`_mask_proof`): a check passed once per class."""
+
+
+def _mask_proof(request: MaskRequest, layout: BatchLayout, spec: AttentionSpec) -> Hashable | None:
+    """The class of this batch's mask check, when one passed check proves every batch of it:
+    the model's mask function as a value (shift-free primitives, `MaskRequest.proof`), the
+    spec's mask fields, and a layout whose sequences those primitives see from their start
+    (rows whose valid tokens are contiguous, or one packed row whose packed-sequence ids
+    change exactly at its boundaries). None: this batch is checked in full."""
+    if request.proof is None:
+        return None
+    if layout.segments:
+        if layout.batch != 1 or not _ids_are_segments(request.packed_ids, layout):
+            return None
+        kind = "packed"
+    else:
+        if request.packed_ids or not _contiguous(layout.valid):
+            return None
+        kind = "rows"
+    return (request.proof, spec.causal, spec.window, spec.chunk_size, kind)
+
+
+def _contiguous(valid: torch.Tensor | None) -> bool:
+    """Whether each row's valid tokens are one run (no padding between them)."""
+    if valid is None:
+        return True
+    count = valid.sum(1)
+    first = valid.int().argmax(1)
+    last = valid.shape[1] - 1 - valid.flip(1).int().argmax(1)
+    return bool(((last - first + 1 == count) | (count == 0)).all())
+
+
+def _ids_are_segments(ids: tuple[torch.Tensor, ...], layout: BatchLayout) -> bool:
+    """Whether every packed-sequence id tensor of the mask changes exactly where the layout's
+    sequences start, over a row they tile."""
+    starts = [start for _, start, _ in layout.segments]
+    if starts[0] != 0 or layout.segments[-1][2] != layout.seq:
+        return False
+    if any(a[2] != b[1] for a, b in itertools.pairwise(layout.segments)):
+        return False
+    for tensor in ids:
+        if not isinstance(tensor, torch.Tensor) or tuple(tensor.shape) != (1, layout.seq):
+            return False
+        row = tensor[0]
+        changes = (row[1:] != row[:-1]).nonzero().flatten() + 1
+        if changes.tolist() != starts[1:]:
+            return False
+    return True
 
 
 def _same_keys(cu_q: torch.Tensor, cu_k: object) -> torch.Tensor:
