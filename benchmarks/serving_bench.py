@@ -353,12 +353,8 @@ class Paths:
         return self._flash
 
 
-@contextlib.contextmanager
-def _timed(owner: Any, attribute: str, spent: list[float]) -> Iterator[None]:
-    """``owner.attribute`` wrapped to add its wall time (seconds) to ``spent``, restored on
-    exit (a class attribute it inherited is inherited again)."""
-    inner = getattr(owner, attribute)
-    own = attribute in vars(owner)
+def _timing(inner: Callable[..., Any], spent: list[float]) -> Callable[..., Any]:
+    """``inner``, adding the wall time (seconds) of each call to ``spent``."""
 
     def timed(*args: Any, **kwargs: Any) -> Any:
         start = time.perf_counter()
@@ -367,7 +363,16 @@ def _timed(owner: Any, attribute: str, spent: list[float]) -> Iterator[None]:
         finally:
             spent.append(time.perf_counter() - start)
 
-    setattr(owner, attribute, timed)
+    return timed
+
+
+@contextlib.contextmanager
+def _timed(owner: Any, attribute: str, spent: list[float]) -> Iterator[None]:
+    """``owner.attribute`` timed into ``spent`` (`_timing`), restored on exit (a class
+    attribute it inherited is inherited again)."""
+    inner = getattr(owner, attribute)
+    own = attribute in vars(owner)
+    setattr(owner, attribute, _timing(inner, spent))
     try:
         yield
     finally:
@@ -398,22 +403,7 @@ def host_per_layer(paths: Paths, batch: list[str], encodes: int = 10) -> dict[st
     attention = AttentionInterface._global_mapping
     masks = AttentionMaskInterface._global_mapping
     original_attention, original_mask = attention[name], masks[name]
-
-    def timed_attention(*args: Any, **kwargs: Any) -> Any:
-        start = time.perf_counter()
-        try:
-            return original_attention(*args, **kwargs)
-        finally:
-            hook.append(time.perf_counter() - start)
-
-    def timed_mask(*args: Any, **kwargs: Any) -> Any:
-        start = time.perf_counter()
-        try:
-            return original_mask(*args, **kwargs)
-        finally:
-            mask.append(time.perf_counter() - start)
-
-    attention[name], masks[name] = timed_attention, timed_mask
+    attention[name], masks[name] = _timing(original_attention, hook), _timing(original_mask, mask)
     try:
         with _timed(backend_class, "forward", forward), _timed(backend_class, "attend", kernel):
             for _ in range(encodes):
