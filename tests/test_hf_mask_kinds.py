@@ -180,7 +180,17 @@ def _packed_case(
 ) -> tuple[_hf_mask.MaskRequest, _layout.BatchLayout]:
     lengths = torch.randint(1, 7, (int(torch.randint(2, 5, (), generator=gen)),), generator=gen)
     ids = torch.repeat_interleave(torch.arange(len(lengths)), lengths)[None]
-    full = mu.and_masks(function, mu.packed_sequence_mask_function(ids)) if causal else function
+    positions = torch.cat([torch.arange(int(n)) for n in lengths])[None]
+    # what transformers builds for a packed causal batch: positions remapped per sequence,
+    # and the sequences' ids
+    full = (
+        mu.and_masks(
+            mu.remap_positions_for_packed_sequence(function, positions),
+            mu.packed_sequence_mask_function(ids),
+        )
+        if causal
+        else function
+    )
     cu = torch.cat([torch.zeros(1, dtype=torch.int32), lengths.cumsum(0).int()])
     tokens = int(cu[-1])
     request = _hf_mask.MaskRequest(
@@ -242,3 +252,19 @@ def test_a_batch_of_no_provable_class_has_no_proof() -> None:
     request.proof, ids = kinds.proof_signature(function)  # type: ignore[misc]
     request.packed_ids = tuple(ids)
     assert abt._mask_proof(request, _layout.from_cu_seqlens(cu, 1, 4), spec) is None
+    # positions that do not count up by one inside a sequence
+    jumping = torch.tensor([[0, 2, 0, 1]])
+    right = torch.tensor([[0, 0, 1, 1]])
+    function = mu.and_masks(
+        mu.remap_positions_for_packed_sequence(mu.causal_mask_function, jumping),
+        mu.packed_sequence_mask_function(right),
+    )
+    request.proof, ids = kinds.proof_signature(function)  # type: ignore[misc]
+    request.packed_ids = tuple(ids)
+    assert abt._mask_proof(request, _layout.from_cu_seqlens(cu, 1, 4), spec) is None
+    assert (
+        kinds.proof_signature(
+            mu.remap_positions_for_packed_sequence(mu.packed_sequence_mask_function(right), right)
+        )
+        is None
+    ), "a remapped function reading tensors of its own is not proved"

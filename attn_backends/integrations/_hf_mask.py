@@ -139,8 +139,9 @@ class MaskRequest:
     """The mask function as a value (`_hf_mask_kinds.proof_signature`) when it is built from
     shift-free primitives, else None: a check passed for it holds for every batch of the same
     class (`transformers._mask_proof`)."""
-    packed_ids: tuple[torch.Tensor, ...] = ()
-    """The packed-sequence ids the function reads, checked against each batch's layout."""
+    packed_ids: tuple[tuple[str, Any], ...] = ()
+    """The tensors the function reads (`_hf_mask_kinds.Data`: packed-sequence ids, remapped
+    positions), checked against each batch's layout."""
     checked: set[Hashable] = field(default_factory=set)
     selections: dict[Hashable, Selection] = field(default_factory=dict)
     _causal: list[bool] = field(default_factory=list)
@@ -638,8 +639,9 @@ class _Mask4D:
     """The mask function as a value (`_hf_mask_kinds.proof_signature`) when it is built from
     shift-free primitives, else None: a check passed for it holds for every batch of the same
     class (`transformers._mask_proof`)."""
-    packed_ids: tuple[torch.Tensor, ...] = ()
-    """The packed-sequence ids the function reads, checked against each batch's layout."""
+    packed_ids: tuple[tuple[str, Any], ...] = ()
+    """The tensors the function reads (`_hf_mask_kinds.Data`: packed-sequence ids, remapped
+    positions), checked against each batch's layout."""
     checked: set[Hashable] = field(default_factory=set)
 
 

@@ -26,7 +26,7 @@ import types
 from collections.abc import Callable
 from typing import Any
 
-__all__ = ["Signature", "broadcastable", "proof_signature", "recognised_codes"]
+__all__ = ["Data", "Signature", "broadcastable", "proof_signature", "recognised_codes"]
 
 _CONSTANT_NAMES = frozenset({"torch", "tensor", "bool"})
 """The names a constant mask function may use (Gemma 3's or-mask:
@@ -113,9 +113,12 @@ def broadcastable(function: object, *, depth: int = 0) -> bool:
 
 
 @functools.cache
-def _roles() -> tuple[frozenset[types.CodeType], frozenset[types.CodeType], types.CodeType | None]:
+def _roles() -> tuple[
+    frozenset[types.CodeType], frozenset[types.CodeType], types.CodeType, types.CodeType | None
+]:
     """The codes whose masks depend on the query and key only through ``q - k`` (shift-free),
-    the composing ones (``and_masks``/``or_masks``), and ``packed_sequence_mask_function``'s."""
+    the composing ones (``and_masks``/``or_masks``), ``packed_sequence_mask_function``'s, and
+    ``remap_positions_for_packed_sequence``'s (None in a release without it)."""
     import torch
     from transformers import masking_utils as mu
 
@@ -132,32 +135,40 @@ def _roles() -> tuple[frozenset[types.CodeType], frozenset[types.CodeType], type
     except (ImportError, AttributeError):
         pass
     composing = frozenset({mu.and_masks().__code__, mu.or_masks().__code__})
-    packed = mu.packed_sequence_mask_function(torch.zeros(1, 1, dtype=torch.long)).__code__
-    return frozenset(f.__code__ for f in shift_free), composing, packed
+    index = torch.zeros(1, 1, dtype=torch.long)
+    packed = mu.packed_sequence_mask_function(index).__code__
+    remap = getattr(mu, "remap_positions_for_packed_sequence", None)
+    remapped = remap(mu.causal_mask_function, index).__code__ if callable(remap) else None
+    return frozenset(f.__code__ for f in shift_free), composing, packed, remapped
 
 
 Signature = tuple[object, ...]
+Data = tuple[str, Any]
+"""A tensor a recognised mask function reads, by role: ``("ids", packed-sequence ids)`` or
+``("positions", position ids)``; each batch checks it against its layout."""
 
 
-def proof_signature(function: object, *, depth: int = 0) -> tuple[Signature, list[Any]] | None:
-    """What a mask function is, as a value, when it is built from shift-free primitives (and
-    packed-sequence ids), with the id tensors it reads; None for anything else.
+def proof_signature(function: object, *, depth: int = 0) -> tuple[Signature, list[Data]] | None:
+    """What a mask function is, as a value, when it is built from shift-free primitives (with
+    packed-sequence ids, and positions remapped per packed sequence), with the tensors it
+    reads; None for anything else.
 
     Two functions with one signature compute one mask on every batch whose ids are the
-    layout's sequences, and the mask of a sequence does not depend on where it starts: so the
-    check of the model's mask against the library's, passed once for a signature and a spec,
-    holds for every such batch (`transformers._mask_proof`)."""
+    layout's sequences and whose positions count up by one within each, and the mask of a
+    sequence does not depend on where it starts: so the check of the model's mask against the
+    library's, passed once for a signature and a spec, holds for every such batch
+    (`transformers._mask_proof`)."""
     if depth > 32 or not isinstance(function, types.FunctionType):
         return None
     if _constant(function):
         return (function.__code__,), []
-    shift_free, composing, packed = _roles()
+    shift_free, composing, packed, remapped = _roles()
     code = function.__code__
     closure = function.__closure__ or ()
     cells = dict(zip(code.co_freevars, (c.cell_contents for c in closure), strict=True))
     if code in composing:
         parts: list[Signature] = []
-        data: list[Any] = []
+        data: list[Data] = []
         for inner in cells.get("mask_functions", ()):
             found = proof_signature(inner, depth=depth + 1)
             if found is None:
@@ -166,7 +177,12 @@ def proof_signature(function: object, *, depth: int = 0) -> tuple[Signature, lis
             data += found[1]
         return (code, tuple(parts)), data
     if code == packed:
-        return (code,), [cells.get("packed_sequence_mask")]
+        return (code,), [("ids", cells.get("packed_sequence_mask"))]
+    if remapped is not None and code == remapped:
+        inner_found = proof_signature(cells.get("mask_function"), depth=depth + 1)
+        if inner_found is None or inner_found[1]:
+            return None  # only a shift-free function of positions is proved
+        return (code, inner_found[0]), [("positions", cells.get("position_ids"))]
     if code in shift_free and all(
         isinstance(v, (int, float, bool)) or v is None for v in cells.values()
     ):

@@ -566,20 +566,29 @@ def _contiguous(valid: torch.Tensor | None) -> bool:
     return bool(((last - first + 1 == count) | (count == 0)).all())
 
 
-def _ids_are_segments(ids: tuple[torch.Tensor, ...], layout: BatchLayout) -> bool:
-    """Whether every packed-sequence id tensor of the mask changes exactly where the layout's
-    sequences start, over a row they tile."""
+def _ids_are_segments(data: tuple[tuple[str, Any], ...], layout: BatchLayout) -> bool:
+    """Whether the tensors the mask reads agree with the layout's sequences, over a row they
+    tile: packed-sequence ids change exactly where a sequence starts, remapped positions count
+    up by one within each sequence."""
     starts = [start for _, start, _ in layout.segments]
     if starts[0] != 0 or layout.segments[-1][2] != layout.seq:
         return False
     if any(a[2] != b[1] for a, b in itertools.pairwise(layout.segments)):
         return False
-    for tensor in ids:
+    for role, tensor in data:
         if not isinstance(tensor, torch.Tensor) or tuple(tensor.shape) != (1, layout.seq):
             return False
         row = tensor[0]
-        changes = (row[1:] != row[:-1]).nonzero().flatten() + 1
-        if changes.tolist() != starts[1:]:
+        if role == "ids":
+            changes = (row[1:] != row[:-1]).nonzero().flatten() + 1
+            if changes.tolist() != starts[1:]:
+                return False
+        elif role == "positions":
+            inside = torch.ones(layout.seq - 1, dtype=torch.bool, device=row.device)
+            inside[[s - 1 for s in starts[1:]]] = False  # the step across a boundary is free
+            if not bool(((row[1:] - row[:-1] == 1) | ~inside).all()):
+                return False
+        else:
             return False
     return True
 
