@@ -121,14 +121,14 @@ def test_a_transformers_release_without_a_primitive_recognises_the_others(monkey
     not assume every primitive of the newest release exists (it failed every packed
     EmbeddingGemma batch on the H200 once)."""
     monkeypatch.delattr(mu, "remap_positions_for_packed_sequence")
-    kinds.recognised_codes.cache_clear()
+    kinds.clear_caches()
     try:
         assert kinds.broadcastable(mu.sliding_window_causal_mask_function(4))
         remapped = mu.add_offsets_to_mask_function(mu.causal_mask_function, 0, 0)
         assert kinds.broadcastable(remapped)
     finally:
         monkeypatch.undo()
-        kinds.recognised_codes.cache_clear()
+        kinds.clear_caches()
 
 
 # ---- the proof: a check passed for a class of call holds for every batch of the class --------

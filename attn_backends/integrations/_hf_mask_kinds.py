@@ -23,10 +23,16 @@ from __future__ import annotations
 import dis
 import functools
 import types
-from collections.abc import Callable
 from typing import Any
 
-__all__ = ["Data", "Signature", "broadcastable", "proof_signature", "recognised_codes"]
+__all__ = [
+    "Data",
+    "Signature",
+    "broadcastable",
+    "clear_caches",
+    "proof_signature",
+    "recognised_codes",
+]
 
 _CONSTANT_NAMES = frozenset({"torch", "tensor", "bool"})
 """The names a constant mask function may use (Gemma 3's or-mask:
@@ -37,10 +43,14 @@ _COMPOSING = ("mask_functions", "mask_function")
 """Closure variables through which a recognised function reaches the functions it composes."""
 
 
+Code = types.CodeType
+
+
 @functools.cache
-def recognised_codes() -> frozenset[types.CodeType]:
+def _codes_by_name() -> dict[str, types.CodeType]:
     """The code objects of the mask primitives transformers ships (and Gemma 3's window
-    overlay), found by building each one once."""
+    overlay), by factory name, found by building each one once. A transformers release
+    without one simply has fewer."""
     import torch
     from transformers import masking_utils as mu
 
@@ -59,18 +69,34 @@ def recognised_codes() -> frozenset[types.CodeType]:
         ("remap_positions_for_packed_sequence", (mu.causal_mask_function, index)),
         ("add_offsets_to_mask_function", (mu.causal_mask_function, 0, 0)),
     ]
-    built: list[Callable[..., Any]] = []
-    for name, args in builders:  # a transformers release without one simply has fewer
-        factory = getattr(mu, name, None)
+    shipped = vars(mu)
+    codes: dict[str, types.CodeType] = {}
+    for name, args in builders:
+        factory = shipped.get(name)
         if callable(factory):
-            built.append(factory(*args) if args or name.endswith("masks") else factory)
+            built = factory(*args) if args or name.endswith("masks") else factory
+            codes[name] = built.__code__
     try:
         from transformers.models.gemma3 import modeling_gemma3
 
-        built.append(modeling_gemma3._bidirectional_window_overlay(1))
+        codes["gemma3_window"] = modeling_gemma3._bidirectional_window_overlay(1).__code__
     except (ImportError, AttributeError):
         pass
-    return frozenset(f.__code__ for f in built)
+    return codes
+
+
+@functools.cache
+def recognised_codes() -> frozenset[types.CodeType]:
+    """Every recognised code object (`_codes_by_name`), for `broadcastable`."""
+    return frozenset(_codes_by_name().values())
+
+
+def clear_caches() -> None:
+    """Forget the recognised codes: the next use builds them again (a transformers module
+    replaced under a running process, tests)."""
+    _codes_by_name.cache_clear()
+    recognised_codes.cache_clear()
+    _roles.cache_clear()
 
 
 def _constant(function: types.FunctionType) -> bool:
@@ -114,32 +140,28 @@ def broadcastable(function: object, *, depth: int = 0) -> bool:
 
 @functools.cache
 def _roles() -> tuple[
-    frozenset[types.CodeType], frozenset[types.CodeType], types.CodeType, types.CodeType | None
+    frozenset[types.CodeType],
+    frozenset[types.CodeType],
+    types.CodeType | None,
+    types.CodeType | None,
 ]:
     """The codes whose masks depend on the query and key only through ``q - k`` (shift-free),
     the composing ones (``and_masks``/``or_masks``), ``packed_sequence_mask_function``'s, and
-    ``remap_positions_for_packed_sequence``'s (None in a release without it)."""
-    import torch
-    from transformers import masking_utils as mu
-
-    shift_free: list[Callable[..., Any]] = [
-        mu.causal_mask_function,
-        mu.bidirectional_mask_function,
-        mu.sliding_window_overlay(1),
-        mu.sliding_window_bidirectional_overlay(1),
-    ]
-    try:
-        from transformers.models.gemma3 import modeling_gemma3
-
-        shift_free.append(modeling_gemma3._bidirectional_window_overlay(1))
-    except (ImportError, AttributeError):
-        pass
-    composing = frozenset({mu.and_masks().__code__, mu.or_masks().__code__})
-    index = torch.zeros(1, 1, dtype=torch.long)
-    packed = mu.packed_sequence_mask_function(index).__code__
-    remap = getattr(mu, "remap_positions_for_packed_sequence", None)
-    remapped = remap(mu.causal_mask_function, index).__code__ if callable(remap) else None
-    return frozenset(f.__code__ for f in shift_free), composing, packed, remapped
+    ``remap_positions_for_packed_sequence``'s (None in a release without one)."""
+    codes = _codes_by_name()
+    shift_free = (
+        "causal_mask_function",
+        "bidirectional_mask_function",
+        "sliding_window_overlay",
+        "sliding_window_bidirectional_overlay",
+        "gemma3_window",
+    )
+    return (
+        frozenset(codes[n] for n in shift_free if n in codes),
+        frozenset(codes[n] for n in ("and_masks", "or_masks") if n in codes),
+        codes.get("packed_sequence_mask_function"),
+        codes.get("remap_positions_for_packed_sequence"),
+    )
 
 
 Signature = tuple[object, ...]
@@ -176,7 +198,7 @@ def proof_signature(function: object, *, depth: int = 0) -> tuple[Signature, lis
             parts.append(found[0])
             data += found[1]
         return (code, tuple(parts)), data
-    if code == packed:
+    if packed is not None and code == packed:
         return (code,), [("ids", cells.get("packed_sequence_mask"))]
     if remapped is not None and code == remapped:
         inner_found = proof_signature(cells.get("mask_function"), depth=depth + 1)
