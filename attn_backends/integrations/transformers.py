@@ -546,7 +546,7 @@ def _mask_proof(request: MaskRequest, layout: BatchLayout, spec: AttentionSpec) 
     if request.proof is None:
         return None
     if layout.segments:
-        if layout.batch != 1 or not _ids_are_segments(request.packed_ids, layout):
+        if layout.batch != 1 or not _reads_match_segments(request.packed_ids, layout):
             return None
         kind = "packed"
     else:
@@ -566,7 +566,7 @@ def _contiguous(valid: torch.Tensor | None) -> bool:
     return bool(((last - first + 1 == count) | (count == 0)).all())
 
 
-def _ids_are_segments(data: tuple[tuple[str, Any], ...], layout: BatchLayout) -> bool:
+def _reads_match_segments(data: tuple[tuple[str, Any], ...], layout: BatchLayout) -> bool:
     """Whether the tensors the mask reads agree with the layout's sequences, over a row they
     tile: packed-sequence ids change exactly where a sequence starts, remapped positions count
     up by one within each sequence."""
