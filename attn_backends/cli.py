@@ -38,6 +38,7 @@ from ._values._platform import Platform, detect_platform
 from ._values._records import dumps
 from ._values._spec import PRESETS
 from ._version import __version__
+from .integrations._engine_plugins import engine_plugins
 
 __all__ = ["build_parser", "main", "spec_from_args"]
 
@@ -230,8 +231,18 @@ def cmd_list(args: argparse.Namespace) -> int:
             }
         )
     plugins = [r.to_dict() for r in registry.records()]
+    engines = engine_plugins()
     if args.json:
-        print(dumps({"platform": platform.to_dict(), "backends": rows, "plugins": plugins}))
+        print(
+            dumps(
+                {
+                    "platform": platform.to_dict(),
+                    "backends": rows,
+                    "plugins": plugins,
+                    "engines": [e.to_dict() for e in engines],
+                }
+            )
+        )
         return EXIT_OK
     print(f"platform: {platform}" + (" (dry run)" if platform.assumed else ""))
     for row, entry in zip(rows, registry.entries(), strict=True):
@@ -246,6 +257,10 @@ def cmd_list(args: argparse.Namespace) -> int:
         print("\nRoPE passes from plugins:")
         for plugin, names in passes:
             print(f"  {plugin}: {', '.join(names)}")
+    print("\nengine plugins (this library as an engine's attention backend):")
+    for e in engines:
+        found = f"{e.engine} {e.installed}" if e.installed else f"{e.engine} not installed"
+        print(f"  {e.engine}: {e.state} ({found}; tested {e.tested}): {e.detail}")
     problems = [p for p in registry.records() if p.status != "loaded" or p.error]
     if problems:
         print("\nplugin problems:")
