@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import argparse
 import itertools
+import json
 from types import SimpleNamespace
 from typing import Any
 
@@ -254,3 +255,39 @@ def test_arguments_it_does_not_know_are_refused():
         backend.forward_extend(
             proj.q, proj.k.view(5, 2, 16), proj.v.view(5, 2, 16), layer, batch, sinks=torch.zeros(2)
         )
+
+
+def test_equal_to_sglangs_own_torch_native_attention():
+    """The same batch and layer through SGLang's torch-native backend (which writes the K/V to
+    its pool and reads them back per sequence): the engine's own meaning of the layer."""
+    proj = projection((9, 1, 6), 4, 2, 16, seed=8)
+    ours, _ = run(proj, (9, 1, 6), 4, 2, 16, scaling=0.3)
+    req, kv = pools(2, 16)
+    slots = torch.arange(1, proj.tokens + 1, dtype=torch.int64)
+    for i, (a, b) in enumerate(itertools.pairwise([0, 9, 10, 16])):
+        req.write((i, slice(0, b - a)), slots[a:b].to(torch.int32))
+    runner = SimpleNamespace(device="cpu", req_to_token_pool=req, token_to_kv_pool=kv)
+    native = _build_full_attention_backend_from_str(
+        model_runner=runner, backend_str="torch_native", init_new_workspace=False
+    )
+    batch = extend_batch((9, 1, 6), proj.tokens)
+    native.init_forward_metadata(batch)
+    layer = encoder_layer(4, 2, 16, scaling=0.3)
+    layer.layer_id = 0  # the pool holds one layer
+    with forward_context(ForwardContext(attn_backend=native), forward_batch=batch):
+        theirs = layer(proj.q, proj.k, proj.v, batch)
+    torch.testing.assert_close(ours, theirs, rtol=1e-5, atol=1e-5)
+
+
+def test_engine_benchmark_runs_both_backends(tmp_path):
+    """benchmarks/engine_bench.py on one small batch: this library and torch_native agree."""
+    from tests.script_support import load_script
+
+    bench = load_script("benchmarks/engine_bench.py")
+    out = tmp_path / "engine.json"
+    args = ["--engine", "sglang", "--device", "cpu", "--layers", "1", "--repeats", "1"]
+    assert bench.main([*args, "--workload", "queries", "--out", str(out)]) == 0
+    result = json.loads(out.read_text())
+    ours, native = result["backends"]["attn_backends"], result["backends"]["torch_native"]
+    assert ours["latency_tokens_per_s"] > 0 and native["latency_tokens_per_s"] > 0
+    assert native["relative_error_vs_first"] < 1e-5

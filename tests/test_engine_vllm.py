@@ -301,3 +301,20 @@ def test_attention_sinks_reach_the_backend(backend, config):
     out = run(backend, config, proj, heads=4, kv_heads=2, dim=16, sinks=sinks)
     spec = ab.AttentionSpec(4, 2, 16, torch.float32, causal=False, attention_sinks=True)
     assert_matches_reference(out, proj, spec, sinks=sinks)
+
+
+def test_engine_benchmark_runs_this_librarys_backend(tmp_path):
+    """benchmarks/engine_bench.py through vLLM's layers; the default baseline (FLASH_ATTN)
+    needs a GPU and vLLM's compiled kernels, so on a CPU machine it is reported as not run."""
+    import json
+
+    from tests.script_support import load_script
+
+    bench = load_script("benchmarks/engine_bench.py")
+    out = tmp_path / "engine.json"
+    args = ["--engine", "vllm", "--device", "cpu", "--layers", "1", "--repeats", "1"]
+    assert bench.main([*args, "--workload", "queries", "--out", str(out)]) == 0
+    backends = json.loads(out.read_text())["backends"]
+    assert backends[NAME]["latency_tokens_per_s"] > 0
+    if not torch.cuda.is_available():
+        assert "error" in backends["FLASH_ATTN"]
