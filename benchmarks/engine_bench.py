@@ -181,7 +181,10 @@ def sglang_step(name: str, shape: Shape, lengths: list[int], qkvs: list[torch.Te
     slots = torch.arange(1, tokens + 1, dtype=torch.int64, device=device)
     for i, (a, b) in enumerate(itertools.pairwise([0, *itertools.accumulate(lengths)])):
         req.write((i, slice(0, b - a)), slots[a:b].to(torch.int32))
-    runner = SimpleNamespace(device=str(device), req_to_token_pool=req, token_to_kv_pool=kv)
+    server = SimpleNamespace(disable_radix_cache=True)
+    runner = SimpleNamespace(
+        device=str(device), req_to_token_pool=req, token_to_kv_pool=kv, server_args=server
+    )
     backend = _build_full_attention_backend_from_str(
         model_runner=runner, backend_str=name, init_new_workspace=False
     )

@@ -74,11 +74,17 @@ def pools(heads: int, dim: int) -> tuple[ReqToTokenPool, MHATokenToKVPool]:
     return req, kv
 
 
-def build_backend(kv_heads: int, dim: int, server_args: Any = None) -> Any:
+def model_runner(kv_heads: int, dim: int, *, radix_cache: bool = False) -> SimpleNamespace:
+    """What backend factories read of SGLang's model runner: device, pools, server arguments."""
     req, kv = pools(kv_heads, dim)
-    runner = SimpleNamespace(device="cpu", req_to_token_pool=req, token_to_kv_pool=kv)
-    if server_args is not None:
-        runner.server_args = server_args
+    server = SimpleNamespace(disable_radix_cache=not radix_cache)
+    return SimpleNamespace(
+        device="cpu", req_to_token_pool=req, token_to_kv_pool=kv, server_args=server
+    )
+
+
+def build_backend(kv_heads: int, dim: int, *, radix_cache: bool = False) -> Any:
+    runner = model_runner(kv_heads, dim, radix_cache=radix_cache)
     return _build_full_attention_backend_from_str(
         model_runner=runner, backend_str=NAME, init_new_workspace=False
     )
@@ -207,8 +213,8 @@ def test_registering_again_is_harmless():
 
 def test_a_server_with_the_radix_cache_on_is_refused_at_startup():
     with pytest.raises(IntegrationError, match="--disable-radix-cache"):
-        build_backend(2, 16, server_args=SimpleNamespace(disable_radix_cache=False))
-    assert build_backend(2, 16, server_args=SimpleNamespace(disable_radix_cache=True))
+        build_backend(2, 16, radix_cache=True)
+    assert build_backend(2, 16, radix_cache=False)
 
 
 def test_cached_prefix_tokens_are_refused():
@@ -262,11 +268,10 @@ def test_equal_to_sglangs_own_torch_native_attention():
     its pool and reads them back per sequence): the engine's own meaning of the layer."""
     proj = projection((9, 1, 6), 4, 2, 16, seed=8)
     ours, _ = run(proj, (9, 1, 6), 4, 2, 16, scaling=0.3)
-    req, kv = pools(2, 16)
+    runner = model_runner(2, 16)
     slots = torch.arange(1, proj.tokens + 1, dtype=torch.int64)
     for i, (a, b) in enumerate(itertools.pairwise([0, 9, 10, 16])):
-        req.write((i, slice(0, b - a)), slots[a:b].to(torch.int32))
-    runner = SimpleNamespace(device="cpu", req_to_token_pool=req, token_to_kv_pool=kv)
+        runner.req_to_token_pool.write((i, slice(0, b - a)), slots[a:b].to(torch.int32))
     native = _build_full_attention_backend_from_str(
         model_runner=runner, backend_str="torch_native", init_new_workspace=False
     )

@@ -36,13 +36,9 @@ __all__ = ["AttnBackendsSGLangBackend", "layer_shape"]
 def layer_shape(layer: Any) -> LayerShape:
     """The spec fields of a ``RadixAttention`` layer, or `FeatureNotSupportedError` naming
     what the layer asks for that this backend does not serve."""
-    name = f"{BACKEND_NAME} (layer {getattr(layer, 'layer_id', '?')})"
+    name = f"{BACKEND_NAME} (layer {layer.layer_id})"
     if layer.attn_type != AttentionType.ENCODER_ONLY or layer.is_cross_attention:
-        kind = (
-            "cross-attention"
-            if layer.is_cross_attention
-            else str(getattr(layer.attn_type, "value", layer.attn_type))
-        )
+        kind = "cross-attention" if layer.is_cross_attention else layer.attn_type.value
         raise FeatureNotSupportedError(
             f"{name} serves encoder-only self-attention; this layer is {kind}, which reads a "
             "KV cache or another sequence: serve this model with another --attention-backend"
@@ -82,8 +78,7 @@ class AttnBackendsSGLangBackend(AttentionBackend):  # type: ignore[misc]  # SGLa
 
     def __init__(self, model_runner: Any) -> None:
         super().__init__()
-        server = getattr(model_runner, "server_args", None)
-        if server is not None and not getattr(server, "disable_radix_cache", True):
+        if not model_runner.server_args.disable_radix_cache:
             raise IntegrationError(
                 f"{BACKEND_NAME} keeps no KV cache for encoder-only layers, but SGLang's radix "
                 "cache is on: it would hand later batches cached prefix tokens that were never "
@@ -91,8 +86,8 @@ class AttnBackendsSGLangBackend(AttentionBackend):  # type: ignore[misc]  # SGLa
             )
         self.device = torch.device(model_runner.device)
         # SGLang reads the pools through the backend; this one reads neither
-        self.req_to_token_pool = getattr(model_runner, "req_to_token_pool", None)
-        self.token_to_kv_pool = getattr(model_runner, "token_to_kv_pool", None)
+        self.req_to_token_pool = model_runner.req_to_token_pool
+        self.token_to_kv_pool = model_runner.token_to_kv_pool
         self.forward_metadata: EngineBatch | None = None
         self._layers: dict[int, tuple[Any, EngineLayer]] = {}
 
@@ -136,7 +131,7 @@ class AttnBackendsSGLangBackend(AttentionBackend):  # type: ignore[misc]  # SGLa
         asked = sorted(
             key for key, value in kwargs.items() if value is not None and value is not False
         )
-        if getattr(forward_batch, "mha_return_lse", False):
+        if forward_batch.mha_return_lse:
             asked.append("mha_return_lse")
         if asked:
             raise FeatureNotSupportedError(
@@ -152,8 +147,8 @@ class AttnBackendsSGLangBackend(AttentionBackend):  # type: ignore[misc]  # SGLa
                 "prepared an extend batch"
             )
         width = layer.tp_q_head_num * layer.v_head_dim
-        given = getattr(forward_batch, "_attn_output", None)
-        if isinstance(given, torch.Tensor) and tuple(given.shape) == (q.shape[0], width):
+        given = forward_batch._attn_output  # SGLang's buffer for the layer, when it has one
+        if given is not None and tuple(given.shape) == (q.shape[0], width):
             output = given
         else:
             output = q.new_empty(q.shape[0], width)
