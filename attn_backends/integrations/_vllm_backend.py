@@ -35,7 +35,7 @@ from vllm.v1.attention.backend import (
 )
 
 from .._select._selector import select
-from .._values._errors import FeatureNotSupportedError, IntegrationError
+from .._values._errors import AttentionBackendError, FeatureNotSupportedError, IntegrationError
 from .._values._features import SlidingWindow
 from ._engine_layer import EngineBatch, EngineLayer, LayerShape, refusals
 from .vllm import BACKEND_NAME
@@ -138,7 +138,7 @@ class AttnBackendsBackend(AttentionBackend):  # type: ignore[misc]  # vLLM is un
         )
         try:
             spec = shape.spec(dtype)
-        except Exception as exc:  # a spec this library cannot even state
+        except AttentionBackendError as exc:  # a spec this library cannot even state
             return [*reasons, f"attn_backends: {exc}"]
         # every other attention type reads a cache (decoder) or another sequence
         has_cache = attn_type != AttentionType.ENCODER_ONLY
