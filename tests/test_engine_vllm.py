@@ -318,3 +318,8 @@ def test_engine_benchmark_runs_this_librarys_backend(tmp_path):
     assert backends[NAME]["latency_tokens_per_s"] > 0
     if not torch.cuda.is_available():
         assert "error" in backends["FLASH_ATTN"]
+
+
+def test_a_head_size_no_spec_can_state_is_a_reason_not_a_crash(backend):
+    reasons = validate(backend, attn_type=AttentionType.ENCODER_ONLY, head_size=0)
+    assert len(reasons) == 1 and reasons[0].startswith("attn_backends:"), reasons
