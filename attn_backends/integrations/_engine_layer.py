@@ -23,6 +23,7 @@ from .._values._errors import IntegrationError, NoBackendError
 from .._values._features import AlibiSpec, SlidingWindow
 from .._values._params import FMHAParams
 from .._values._spec import AttentionSpec
+from ._layout import dense_heads, prepared_plan
 
 __all__ = ["EngineBatch", "EngineLayer", "LayerShape", "refusals"]
 
@@ -82,19 +83,8 @@ class EngineBatch:
         return cls(FMHAParams.from_lengths(real, device=device), sum(real))
 
     def plan(self, selection: Selection, spec: AttentionSpec) -> object:
-        """The selected backend's plan for ``spec`` on this batch, prepared by the first layer
-        that asks (outside the lock: a kernel plan may take milliseconds)."""
-        backend = selection.backend
-        key = (id(backend), spec)
-        found = self.plans.get(key)
-        if found is not None and found[0] is backend:
-            return found[1]
-        plan = backend.prepare(self.params)
-        with self._lock:
-            found = self.plans.get(key)
-            if found is None or found[0] is not backend:
-                found = self.plans[key] = (backend, plan)
-        return found[1]
+        """The selected backend's plan for ``spec`` on this batch, shared by its layers."""
+        return prepared_plan(self.plans, self._lock, selection.backend, spec, self.params)
 
 
 class EngineLayer:
@@ -175,9 +165,7 @@ def _heads(x: torch.Tensor, heads: int, dim: int) -> torch.Tensor:
         raise IntegrationError(
             f"q/k/v rows of shape {tuple(x.shape)} for a layer of {heads} heads x {dim}"
         )
-    if x.stride(-1) != 1 or (heads > 1 and x.stride(1) != dim):
-        return x.contiguous()
-    return x
+    return dense_heads(x)
 
 
 def refusals(

@@ -9,13 +9,16 @@ framework; `attn_backends.integrations.transformers` decides which source descri
 from __future__ import annotations
 
 import itertools
+import threading
 from collections.abc import Hashable, Sequence
 from dataclasses import dataclass, field
 
 import torch
 
+from .._backend._protocol import NoCachePrefill
 from .._values._errors import IntegrationError
 from .._values._params import FMHAParams
+from .._values._spec import AttentionSpec
 
 
 @dataclass(frozen=True, eq=False)
@@ -161,3 +164,35 @@ def from_position_ids(position_ids: torch.Tensor, batch: int, seq: int) -> Batch
     begin = starts.nonzero().reshape(-1).tolist()
     ends = [*begin[1:], batch * seq]
     return _packed(list(zip(begin, ends, strict=True)), batch, seq, position_ids.device)
+
+
+def dense_heads(rows: torch.Tensor) -> torch.Tensor:
+    """``rows [T, H, D]`` with each token's heads dense, as the backends read them: the rows
+    themselves when they already are (a view of a packed projection), else a copy."""
+    if rows.stride(-1) != 1 or (rows.shape[1] > 1 and rows.stride(1) != rows.shape[2]):
+        return rows.contiguous()
+    return rows
+
+
+def prepared_plan(
+    plans: dict[Hashable, tuple[object, object]],
+    lock: threading.Lock,
+    backend: NoCachePrefill,
+    spec: AttentionSpec,
+    params: FMHAParams,
+) -> object:
+    """``backend``'s plan for ``spec`` on ``params``, prepared once per batch and kept in
+    ``plans`` (guarded by ``lock``): outside the lock, since a kernel plan may take
+    milliseconds, and the first one stored is the one every layer uses. The backend is kept
+    with its plan to check that its id is still its own."""
+    key = (id(backend), spec)
+    with lock:
+        found = plans.get(key)
+    if found is not None and found[0] is backend:
+        return found[1]
+    plan = backend.prepare(params)
+    with lock:
+        found = plans.get(key)
+        if found is None or found[0] is not backend:
+            found = plans[key] = (backend, plan)
+    return found[1]

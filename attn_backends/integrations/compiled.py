@@ -34,6 +34,7 @@ from .._values._errors import IntegrationError
 from .._values._params import FMHAParams
 from .._values._spec import AttentionSpec
 from . import _hf_features, _hf_mask, _registered
+from ._layout import dense_heads
 from ._packed import check_served
 from .transformers import _refuse_unsupported_call, _spec_for
 
@@ -66,13 +67,6 @@ def _rows(x: torch.Tensor) -> torch.Tensor:
     return x[0].transpose(0, 1)
 
 
-def _dense(x: torch.Tensor) -> torch.Tensor:
-    """Rows whose heads are dense per token, as the backends read them."""
-    if x.stride(-1) != 1 or (x.shape[1] > 1 and x.stride(1) != x.shape[2]):
-        return x.contiguous()
-    return x
-
-
 @torch.library.custom_op("attn_backends::prefill", mutates_args=())
 def prefill(
     q: torch.Tensor,
@@ -96,7 +90,7 @@ def prefill(
             f"the model attends {q.shape[0]} tokens but ready.batch prepared plans for "
             f"{tokens}: pass the cu_seq_lens of the batch the model is called with"
         )
-    out = backend.forward((_dense(q), _dense(k), _dense(v)), plan, sinks=sinks)
+    out = backend.forward((dense_heads(q), dense_heads(k), dense_heads(v)), plan, sinks=sinks)
     return out  # type: ignore[no-any-return]
 
 

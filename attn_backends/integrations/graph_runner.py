@@ -159,10 +159,7 @@ def _refuse_chunks(kwargs: Mapping[str, Any]) -> None:
 
 def _rows(x: torch.Tensor) -> torch.Tensor:
     """``x [1, H, S, D]`` as ``[S, H, D]``, copied only when heads are not dense per token."""
-    rows = x[0].transpose(0, 1)
-    if rows.stride(-1) != 1 or (rows.shape[1] > 1 and rows.stride(1) != rows.shape[2]):
-        rows = rows.contiguous()
-    return rows
+    return _layout.dense_heads(x[0].transpose(0, 1))
 
 
 def _pad_token_id(model: Any) -> int:

@@ -604,20 +604,8 @@ def _same_keys(cu_q: torch.Tensor, cu_k: object) -> torch.Tensor:
 
 
 def _plan_for(layout: BatchLayout, selection: Selection, spec: AttentionSpec) -> object:
-    """The plan of the selected backend for ``spec`` on ``layout``, prepared once: outside the
-    lock (a kernel plan may take milliseconds), and the first one stored is the one used."""
-    backend = selection.backend
-    key = (id(backend), spec)
-    with _plans_lock:
-        found = layout.plans.get(key)
-    if found is not None and found[0] is backend:
-        return found[1]
-    plan = backend.prepare(layout.params)
-    with _plans_lock:
-        found = layout.plans.get(key)
-        if found is None or found[0] is not backend:
-            found = layout.plans[key] = (backend, plan)
-    return found[1]
+    """The selected backend's plan for ``spec`` on ``layout``, shared by its layers."""
+    return _layout.prepared_plan(layout.plans, _plans_lock, selection.backend, spec, layout.params)
 
 
 def _token_rows(x: torch.Tensor, layout: BatchLayout) -> torch.Tensor:
@@ -626,10 +614,7 @@ def _token_rows(x: torch.Tensor, layout: BatchLayout) -> torch.Tensor:
     if layout.cells is not None:
         rows, cols = layout.cells
         return per_token[rows, cols]
-    flat = per_token.reshape(-1, x.shape[1], x.shape[3])
-    if flat.stride(-1) != 1 or (x.shape[1] > 1 and flat.stride(1) != x.shape[3]):
-        flat = flat.contiguous()
-    return flat
+    return _layout.dense_heads(per_token.reshape(-1, x.shape[1], x.shape[3]))
 
 
 def attention_forward(
