@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+from collections.abc import Iterator
 
 import pytest
 import torch
@@ -163,6 +164,15 @@ def test_cpu_selects_a_declaring_backend():
     assert ab.select(softcapped, platform=CPU).name == "flex"
 
 
+@pytest.fixture(autouse=True)
+def _no_kept_masks() -> Iterator[None]:
+    """torch-sdpa keeps the masks it built; tests here replace the mask definition, so none
+    may be kept across them."""
+    torch_sdpa._kept_mask.cache_clear()
+    yield
+    torch_sdpa._kept_mask.cache_clear()
+
+
 def _off_by(monkeypatch: pytest.MonkeyPatch, delta: int) -> None:
     """The built-ins' mask computing chunks of ``chunk_size + delta``."""
     right = _masks.visible
@@ -173,6 +183,7 @@ def _off_by(monkeypatch: pytest.MonkeyPatch, delta: int) -> None:
 
     monkeypatch.setattr(_masks, "visible", wrong)  # torch-sdpa's dense mask
     monkeypatch.setattr(flex, "visible", wrong)  # flex's mask_mod
+    torch_sdpa._kept_mask.cache_clear()  # masks built by the right definition
 
 
 @pytest.mark.parametrize("delta", [1, -1])

@@ -79,24 +79,26 @@ def test_compiled_whole_model_matches_the_integration(kind, compiler):
 
 @pytest.mark.parametrize("kind", ["bert", "qwen3"])
 def test_no_graph_break_at_attention(kind):
+    """fullgraph=True compiles the whole forward without a break: one prefill op per layer,
+    and the batch check at its input."""
     model = _model(kind)
     packed = _batch((6, 3), seed=4)
     ready = compile_ready(model, packed["input_ids"], packed["cu_seq_lens_q"])
+    graphs: list[torch.fx.GraphModule] = []
+
+    def record(graph: torch.fx.GraphModule, example_inputs: object) -> object:
+        graphs.append(graph)
+        return graph.forward
+
     dynamo.reset()
+    compiled = torch.compile(model, backend=record, fullgraph=True)
     with ready.batch(packed["cu_seq_lens_q"]), torch.inference_mode():
-        explained = dynamo.explain(model)(
-            input_ids=packed["input_ids"], position_ids=packed["position_ids"], **_extra(kind)
-        )
-    assert explained.graph_break_count == 0, explained.break_reasons
-    assert explained.graph_count == 1
-    ops = [
-        node.target
-        for graph in explained.graphs
-        for node in graph.graph.nodes
-        if node.op == "call_function"
-    ]
+        compiled(input_ids=packed["input_ids"], position_ids=packed["position_ids"], **_extra(kind))
+    # the model's forward pre-hook (the batch check) may be traced as a frame of its own
+    ops = [node.target for g in graphs for node in g.graph.nodes if node.op == "call_function"]
     layers = model.config.num_hidden_layers
     assert ops.count(torch.ops.attn_backends.prefill.default) == layers
+    assert ops.count(torch.ops.attn_backends.check_batch.default) == 1
 
 
 def test_the_plain_integration_does_not_trace_whole():
@@ -129,7 +131,7 @@ def test_a_batch_prepared_for_other_tokens_is_refused():
     packed = _batch((4, 2), seed=7)
     ready = compile_ready(model, packed["input_ids"], packed["cu_seq_lens_q"])
     with (
-        pytest.raises(IntegrationError, match="prepared plans for 7"),
+        pytest.raises(IntegrationError, match="prepared plans for one packed row of 7"),
         ready.batch([0, 4, 7]),
         torch.inference_mode(),
     ):
@@ -189,3 +191,42 @@ def test_a_model_switched_away_after_compile_ready_is_refused_by_batch():
         ready.batch(example["cu_seq_lens_q"]),
     ):
         pass
+
+
+def test_an_example_of_one_sequence_proves_no_batch_of_several():
+    """One sequence has no boundary to prove: a batch of several is refused by name, a batch
+    of one still runs."""
+    model = _model("bert")
+    single = _batch((7,), seed=8)
+    ready = compile_ready(model, single["input_ids"], single["cu_seq_lens_q"])
+    several = _batch((3, 4), seed=9)
+    with (
+        pytest.raises(IntegrationError, match="proved no batch of several"),
+        ready.batch(several["cu_seq_lens_q"]),
+    ):
+        pass
+    other = _batch((5,), seed=10)
+    want = _integration(model, other, "bert")
+    with ready.batch(other["cu_seq_lens_q"]), torch.inference_mode():
+        got = model(input_ids=other["input_ids"], position_ids=other["position_ids"])[0]
+    torch.testing.assert_close(got, want)
+
+
+@pytest.mark.parametrize("compiled", [False, True], ids=["eager", "compiled"])
+def test_positions_of_other_boundaries_than_the_prepared_batch_are_refused(compiled):
+    """The batch is prepared for [0, 4, 7]; the model is handed positions restarting at 3 (the
+    same 7 tokens, other sequences): refused, as are missing positions."""
+    model = _model("qwen3")
+    example = _batch((5, 9, 3), seed=1)
+    ready = compile_ready(model, example["input_ids"], example["cu_seq_lens_q"])
+    dynamo.reset()
+    run = torch.compile(model, backend="eager", fullgraph=True) if compiled else model
+    ids = _batch((4, 3), seed=11)["input_ids"]
+    shifted = torch.tensor([[0, 1, 2, 0, 1, 2, 3]])
+    with ready.batch([0, 4, 7]), torch.inference_mode():
+        with pytest.raises(IntegrationError, match="do not restart exactly at the boundaries"):
+            run(input_ids=ids, position_ids=shifted, use_cache=False)
+        with pytest.raises(IntegrationError, match="without position_ids"):
+            run(input_ids=ids, use_cache=False)
+        right = torch.tensor([[0, 1, 2, 3, 0, 1, 2]])
+        run(input_ids=ids, position_ids=right, use_cache=False)  # the prepared boundaries

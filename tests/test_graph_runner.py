@@ -310,3 +310,73 @@ def test_unpack_hidden_accepts_a_runners_output():
         parts = abt.unpack_hidden(out, bounds)
         assert [p.shape[0] for p in parts] == list(lengths)
         assert torch.equal(torch.cat(parts), out[0])
+
+
+def test_a_bucketed_call_no_checked_batch_proved_is_refused(monkeypatch):
+    """A mask the library cannot prove once per class (here: its signature withheld) is
+    checked in full on every batch through the integration; the bucketed path, which checks
+    no mask per batch, refuses it by name rather than run it unproved."""
+    from attn_backends.integrations import _hf_mask_kinds
+
+    model, _ = _models("bert")
+    monkeypatch.setattr(_hf_mask_kinds, "proof_signature", lambda function: None)
+    runner = GraphRunner(model, [SMALL])
+    _, ids, cu = _batch((5, 9), 0)
+    with pytest.raises(ab.errors.IntegrationError, match="no batch the integration checked"):
+        runner(ids, cu)
+
+
+def test_positions_of_other_boundaries_are_refused_where_the_mask_reads_them():
+    """Qwen3's causal mask finds packed sequences in the positions: a bucketed batch whose
+    positions do not restart at its cu_seq_lens is refused (the proved class does not hold),
+    and the right positions still serve."""
+    model, ref = _models("qwen3")
+    runner = GraphRunner(model, [SMALL])
+    seqs, ids, cu = _batch((5, 9), 0)
+    runner(ids, cu)  # through the integration: proves the packed class
+    seqs, ids, cu = _batch((4, 6), 1)
+    flat = torch.arange(10)[None]  # one sequence by the positions, two by cu_seq_lens
+    with pytest.raises(ab.errors.IntegrationError, match="do not restart exactly"):
+        runner(ids, cu, flat)
+    right = torch.cat([torch.arange(4), torch.arange(6)])[None]
+    _check(runner(ids, cu, right), seqs, cu, _reference(ref, seqs), 1e-5)
+    assert runner.stats.bucketed == 2  # the first batch (after its check) and this one
+
+
+def test_a_bidirectional_layer_that_declares_no_flag_takes_the_proved_one():
+    """A layer without ``is_causal`` follows the model's mask; with no mask in a bucket, the
+    runner takes the flag a checked batch proved (bidirectional for BERT), never the default
+    causal one."""
+    model, ref = _models("bert")
+    for module in model.modules():
+        if "is_causal" in vars(module):
+            del module.is_causal
+    runner = GraphRunner(model, [SMALL])
+    for seed, lengths in enumerate([(5, 9), (3, 7, 2)]):
+        seqs, ids, cu = _batch(lengths, seed)
+        _check(runner(ids, cu), seqs, cu, _reference(ref, seqs), 1e-5)
+    assert runner.stats.bucketed == 2
+
+
+def test_a_model_mixing_tokens_outside_attention_runs_every_batch_through_the_integration():
+    """A bucket pads the row, and a convolution would read the padding as tokens: one
+    sequence per batch is served by the integration, exactly."""
+    config = transformers.Lfm2Config(
+        vocab_size=VOCAB,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        layer_types=["conv", "full_attention"],
+        use_cache=False,
+    )
+    torch.manual_seed(0)
+    model = transformers.AutoModel.from_config(config, attn_implementation=abt.register()).eval()
+    ref = transformers.AutoModel.from_config(copy.deepcopy(config), attn_implementation="sdpa")
+    ref.load_state_dict(model.state_dict())
+    runner = GraphRunner(model, [SMALL])
+    for seed in range(3):
+        seqs, ids, cu = _batch((6 + seed,), seed)
+        _check(runner(ids, cu), seqs, cu, _reference(ref.eval(), seqs), 1e-5)
+    assert (runner.stats.eager, runner.stats.bucketed) == (3, 0)

@@ -34,7 +34,7 @@ import attn_backends as ab  # noqa: E402
 import attn_backends.deploy  # noqa: E402
 import attn_backends.errors  # noqa: E402
 import attn_backends.reference  # noqa: E402
-from attn_backends.integrations import _hf_mask, _hf_models  # noqa: E402
+from attn_backends.integrations import _hf_call, _hf_mask, _hf_models  # noqa: E402
 from attn_backends.integrations import transformers as abt  # noqa: E402
 from tests import hf_support as hf  # noqa: E402
 
@@ -475,16 +475,16 @@ def test_case8_a_backend_disabled_afterwards_is_not_served(monkeypatch):
 
     def served_by() -> set[str]:
         seen: set[str] = set()
-        real = abt._selection
+        real = _hf_call.layer_selection
 
         def spy(*args: Any, **kwargs: Any) -> Any:
             found = real(*args, **kwargs)
             seen.add(found.name)
             return found
 
-        monkeypatch.setattr(abt, "_selection", spy)
+        monkeypatch.setattr(_hf_call, "layer_selection", spy)
         hf.run(model, NAME, input_ids=ids)
-        monkeypatch.setattr(abt, "_selection", real)
+        monkeypatch.setattr(_hf_call, "layer_selection", real)
         return seen
 
     first = served_by()

@@ -254,6 +254,7 @@ def test_case3_packed_rows_read_by_fewer_attention_calls_than_layers_are_refused
     _, served = _pair(transformers.Lfm3Model, config)
     monkeypatch.setattr(_hf_models, "token_mixers_outside_attention", lambda _: ())
     monkeypatch.setattr(_hf_models, "attention_layers", lambda c: c.num_hidden_layers)
+    monkeypatch.setattr(_hf_models, "_facts", {})  # the facts of this config, read again
     with pytest.raises(IntegrationError, match=r"attention calls of the model's 4 attention"):
         _packed_run(served)
 

@@ -23,7 +23,7 @@ transformers = pytest.importorskip("transformers")
 
 import attn_backends as ab  # noqa: E402
 import attn_backends.errors  # noqa: E402
-from attn_backends.integrations import _hf_features, _hf_mask  # noqa: E402
+from attn_backends.integrations import _hf_features, _hf_mask, _hf_proof  # noqa: E402
 from attn_backends.integrations import transformers as abt  # noqa: E402
 from tests import hf_support as hf  # noqa: E402
 
@@ -97,7 +97,7 @@ def checks(model: Any, monkeypatch: pytest.MonkeyPatch) -> list[ab.AttentionSpec
     """The specs the mask check compared the model's own mask with, from a model that has
     proved no class of call yet (the module-scoped model would carry an earlier test's)."""
     for module in model.modules():
-        module.__dict__.pop(abt._PROOFS, None)
+        _hf_proof.forget(module)
     seen: list[ab.AttentionSpec] = []
     real = _hf_mask.check_mask
 

@@ -17,9 +17,8 @@ from transformers import masking_utils as mu
 from transformers.models.gemma3 import modeling_gemma3
 
 import attn_backends as ab
-from attn_backends.integrations import _hf_mask, _layout
+from attn_backends.integrations import _hf_mask, _hf_proof, _layout
 from attn_backends.integrations import _hf_mask_kinds as kinds
-from attn_backends.integrations import transformers as abt
 
 
 def _grid(function, padding: torch.Tensor, use_vmap: bool) -> torch.Tensor:
@@ -219,13 +218,13 @@ def test_every_batch_of_a_proved_class_passes_the_full_check(kind: str) -> None:
         found = kinds.proof_signature(function)
         assert found is not None
         request.proof, _ = found
-        keys["rows"].add(abt._mask_proof(request, layout, spec))
+        keys["rows"].add(_hf_proof.mask_proof(request, layout, spec))
         assert request.evaluate is not None
         _hf_mask.check_mask(
             request.evaluate, layout, spec, model_name="m", layer="l", blocks=request.blocks
         )
         request, layout = _packed_case(function, causal, gen)
-        keys["packed"].add(abt._mask_proof(request, layout, spec))
+        keys["packed"].add(_hf_proof.mask_proof(request, layout, spec))
         assert request.evaluate is not None
         _hf_mask.check_mask(
             request.evaluate, layout, spec, model_name="m", layer="l", blocks=request.blocks
@@ -240,10 +239,11 @@ def test_a_batch_of_no_provable_class_has_no_proof() -> None:
         "test", 1, 4, CPU, hole, _hf_mask.hook_mask(mu.causal_mask_function, hole, False, CPU)
     )
     request.proof = kinds.proof_signature(mu.causal_mask_function)[0]  # type: ignore[index]
-    assert abt._mask_proof(request, _layout.from_padding_mask(hole), spec) is None
+    assert _hf_proof.mask_proof(request, _layout.from_padding_mask(hole), spec) is None
     request.proof = None  # a function not built from shift-free primitives
     assert (
-        abt._mask_proof(request, _layout.from_padding_mask(torch.ones(1, 4).bool()), spec) is None
+        _hf_proof.mask_proof(request, _layout.from_padding_mask(torch.ones(1, 4).bool()), spec)
+        is None
     )
     # packed ids that do not change at the layout's boundaries
     cu = torch.tensor([0, 2, 4], dtype=torch.int32)
@@ -251,7 +251,7 @@ def test_a_batch_of_no_provable_class_has_no_proof() -> None:
     function = mu.and_masks(mu.causal_mask_function, mu.packed_sequence_mask_function(wrong))
     request.proof, ids = kinds.proof_signature(function)  # type: ignore[misc]
     request.packed_ids = tuple(ids)
-    assert abt._mask_proof(request, _layout.from_cu_seqlens(cu, 1, 4), spec) is None
+    assert _hf_proof.mask_proof(request, _layout.from_cu_seqlens(cu, 1, 4), spec) is None
     # positions that do not count up by one inside a sequence
     jumping = torch.tensor([[0, 2, 0, 1]])
     right = torch.tensor([[0, 0, 1, 1]])
@@ -261,7 +261,7 @@ def test_a_batch_of_no_provable_class_has_no_proof() -> None:
     )
     request.proof, ids = kinds.proof_signature(function)  # type: ignore[misc]
     request.packed_ids = tuple(ids)
-    assert abt._mask_proof(request, _layout.from_cu_seqlens(cu, 1, 4), spec) is None
+    assert _hf_proof.mask_proof(request, _layout.from_cu_seqlens(cu, 1, 4), spec) is None
     assert (
         kinds.proof_signature(
             mu.remap_positions_for_packed_sequence(mu.packed_sequence_mask_function(right), right)

@@ -15,7 +15,7 @@ import functools
 import logging
 import subprocess
 import sys
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import pytest
@@ -26,7 +26,7 @@ transformers = pytest.importorskip("transformers")
 import attn_backends as ab  # noqa: E402
 import attn_backends.errors  # noqa: E402
 import attn_backends.reference  # noqa: E402
-from attn_backends.integrations import _hf_features, _hf_mask  # noqa: E402
+from attn_backends.integrations import _hf_call, _hf_features, _hf_mask  # noqa: E402
 from attn_backends.integrations import transformers as abt  # noqa: E402
 from tests import hf_support as hf  # noqa: E402
 
@@ -194,6 +194,17 @@ class Case:
 _CASES: dict[tuple[str, torch.dtype], Case] = {}
 
 
+@pytest.fixture(autouse=True)
+def _fresh_layer_specs() -> Iterator[None]:
+    """Tests here replace the integration's mappings (windows, soft-caps): specs kept on the
+    cached models under another mapping would hide the replacement, or outlive it."""
+    for case in _CASES.values():
+        _hf_call.clear_kept(case.model)
+    yield
+    for case in _CASES.values():
+        _hf_call.clear_kept(case.model)
+
+
 def _case(case_id: str, dtype: torch.dtype) -> Case:
     """Model, batch, eager reference and the tolerance HF's own sdpa-vs-eager spread allows."""
     key = (case_id, dtype)
@@ -262,14 +273,14 @@ def test_padded_and_packed_match_eager(case_id, dtype):
 )
 def test_negative_control_fails_far_above_tolerance(case_id, what, dtype, monkeypatch):
     case = _case(case_id, dtype)
-    real = abt._spec_for
+    real = _hf_call.layer_spec
 
     def change(spec: ab.AttentionSpec) -> ab.AttentionSpec:
         if what == "scale":
             return dataclasses.replace(spec, softmax_scale=spec.scale * 2)
         return dataclasses.replace(spec, causal=not spec.causal)
 
-    monkeypatch.setattr(abt, "_spec_for", lambda *a, **k: change(real(*a, **k)))
+    monkeypatch.setattr(_hf_call, "layer_spec", lambda *a, **k: change(real(*a, **k)))
     if what == "causal":  # a mask change: the check against the model's own mask refuses it
         with pytest.raises(abt.MaskMismatchError, match=type(case.model).__name__):
             _packed(case.model, case.cfg, case.batch)

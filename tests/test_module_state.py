@@ -27,7 +27,14 @@ from attn_backends_builtin._flex_kernel import CompileState
 import attn_backends as ab
 from attn_backends._path import _preprocess, _rope_passes
 from attn_backends._values import _platform
-from attn_backends.integrations import _hf_mask, _hf_models, _layout, _packed, _registered
+from attn_backends.integrations import (
+    _hf_call,
+    _hf_mask,
+    _hf_models,
+    _layout,
+    _packed,
+    _registered,
+)
 from attn_backends.integrations import transformers as hf
 from tests.threads import in_threads
 
@@ -163,16 +170,16 @@ def test_model_caches_reset_reads_the_attention_tables_again(monkeypatch, tmp_pa
 
 
 def test_decisions_reset_forgets_and_logs_again(monkeypatch, caplog):
-    monkeypatch.setattr(hf, "_decided", {})
+    monkeypatch.setattr(_hf_call, "_decided", {})
     found = cast(Any, types.SimpleNamespace(name="zz-backend"))
     module = torch.nn.Identity()
     with caplog.at_level(logging.INFO, logger="attn_backends"):
         for _ in range(2):
-            hf._log_decision(found, SPEC, CPU, None, module)
+            _hf_call._log_decision(found, SPEC, CPU, None, module)
         assert hf.decisions() == [found]
         hf.clear_decisions()
         assert hf.decisions() == []
-        hf._log_decision(found, SPEC, CPU, None, module)
+        _hf_call._log_decision(found, SPEC, CPU, None, module)
     assert sum("served by zz-backend" in r.getMessage() for r in caplog.records) == 2
 
 
@@ -188,13 +195,13 @@ def _selection(backend: _Backend) -> Any:
 def test_layout_cache_reset_prepares_again():
     backend = _Backend()
     hf.clear_layout_cache()
-    layout = hf._full_rows(2, 8, CPU)
-    assert hf._full_rows(2, 8, CPU) is layout, "whole rows are shared across batches"
+    layout = _layout.full_rows(2, 8, CPU)
+    assert _layout.full_rows(2, 8, CPU) is layout, "whole rows are shared across batches"
     plan = hf._plan_for(layout, _selection(backend), SPEC)
-    assert hf._plan_for(hf._full_rows(2, 8, CPU), _selection(backend), SPEC) is plan
+    assert hf._plan_for(_layout.full_rows(2, 8, CPU), _selection(backend), SPEC) is plan
     assert backend.prepare.calls == 1
     hf.clear_layout_cache()
-    fresh = hf._full_rows(2, 8, CPU)
+    fresh = _layout.full_rows(2, 8, CPU)
     assert fresh is not layout
     assert hf._plan_for(fresh, _selection(backend), SPEC) is not plan
     assert backend.prepare.calls == 2
@@ -202,6 +209,7 @@ def test_layout_cache_reset_prepares_again():
 
 def test_plans_of_a_shared_layout_are_one_per_spec_across_threads():
     backend = _Backend()
+    _layout.full_rows.cache_clear()  # a layout no earlier test prepared plans on
     layout = _layout.full_rows(2, 8, CPU)
     specs = [ab.AttentionSpec(2 * n, 2, 64, torch.float16, causal=True) for n in range(1, 11)]
     seen: list[dict[int, object]] = [{} for _ in range(THREADS)]

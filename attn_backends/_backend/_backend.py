@@ -140,7 +140,13 @@ class PrefillBackend(ABC):
         self._binding = binding
         # attend() is typed for PrefillPlan; graph plans reach it only for backends that
         # declared graph mode (`prepare_graph` refuses the others), hence the wider type.
-        self._forward = ForwardPath(self.name, spec, binding.layout, cast(Kernel, self))
+        self._forward = ForwardPath(
+            self.name,
+            spec,
+            binding.layout,
+            cast(Kernel, self),
+            reads_addresses=type(self).accepts_rows is not PrefillBackend.accepts_rows,
+        )
 
     @property
     def spec(self) -> AttentionSpec:
@@ -250,7 +256,10 @@ class PrefillBackend(ABC):
 
     def accepts_rows(self, rows: torch.Tensor) -> bool:
         """Whether the kernel can read these packed rows in place (e.g. an alignment rule); if
-        not, the contract hands it a dense copy. Asked once per plan and buffer signature."""
+        not, the contract hands it a dense copy. Asked once per plan and buffer signature: for
+        separate q/k/v that the plan does not write, the signature holds the address only as
+        its alignment (the largest power of two up to 256 bytes dividing it), so the rule may
+        depend on no more than that."""
         return True
 
     @classmethod

@@ -280,13 +280,25 @@ class ForwardPath:
     steady state) takes the same steps in as few interpreter steps as they take.
     """
 
-    __slots__ = ("_fp8", "_kernel", "_layout", "_name", "_sinks", "_spec")
+    __slots__ = ("_fp8", "_kernel", "_layout", "_name", "_reads_addresses", "_sinks", "_spec")
 
-    def __init__(self, name: str, spec: AttentionSpec, layout: InputLayout, kernel: Kernel) -> None:
+    def __init__(
+        self,
+        name: str,
+        spec: AttentionSpec,
+        layout: InputLayout,
+        kernel: Kernel,
+        *,
+        reads_addresses: bool = True,
+    ) -> None:
         self._name = name
         self._spec = spec
         self._layout: InputLayout = layout
         self._kernel = kernel
+        self._reads_addresses = reads_addresses
+        """Whether the kernel's ``accepts_rows`` rule may read an input's address (False: the
+        backend states no rule, so separate inputs a plan does not write are told apart by
+        their geometry alone)."""
         self._fp8 = spec.is_fp8
         self._sinks = spec.attention_sinks
 
@@ -384,7 +396,7 @@ class ForwardPath:
                 "separate (q, k, v) tensors with a graph plan",
                 "the packed buffer in graph mode (a captured graph reads one fixed buffer)",
             )
-        signature = separate_signature(first)
+        signature = separate_signature(first, writes=plan.rotates, addresses=self._reads_addresses)
         seen = plan.memo.get(signature) if signature is not None else None
         if seen is None:
             seen = separate_geometry(
@@ -446,7 +458,8 @@ class ForwardPath:
             except Exception as exc:
                 name = plan.rope_pass.name if plan.rope_pass is not None else "torch"
                 raise _pass_failure(name, exc, separate_note(tokens, certain=False)) from exc
-        q, k, v = q[:tokens], k[:tokens], v[:tokens]
+        if q.shape[0] != tokens:  # padding rows after the batch's tokens
+            q, k, v = q[:tokens], k[:tokens], v[:tokens]
         if geo.dense_tensors:
             q, k, v = q.contiguous(), k.contiguous(), v.contiguous()
         return QKVViews(None, q, k, v, fp8_scales)

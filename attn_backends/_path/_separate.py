@@ -147,10 +147,17 @@ def check_separate(
     return q, k, v
 
 
-def _grid(view: torch.Tensor) -> Grid:
+def _grid(view: torch.Tensor, given: object) -> Grid:
     rows, heads, dim = (int(n) for n in view.shape)
     row_stride, head_stride, unit = view.stride()
-    return Grid((rows, heads, dim), (row_stride, head_stride, unit), int(view.storage_offset()))
+    offset = int(view.storage_offset())
+    same = (
+        isinstance(given, torch.Tensor)
+        and given.dim() == 3
+        and tuple(given.stride()) == (row_stride, head_stride, unit)
+        and int(given.storage_offset()) == offset
+    )
+    return Grid((rows, heads, dim), (row_stride, head_stride, unit), offset, same)
 
 
 def separate_geometry(
@@ -180,18 +187,46 @@ def separate_geometry(
         output_rows=(tokens, spec.q_width),
         output_dtype=spec.output_dtype,
         plain=False,
-        grids=(_grid(q), _grid(k), _grid(v)),
+        grids=(_grid(q, given.q), _grid(k, given.k), _grid(v, given.v)),
     )
 
 
-def separate_signature(given: SeparateQKV) -> tuple[object, ...] | None:
-    """The memo key of a ``(q, k, v)`` input (None when one of them is no tensor)."""
+ADDRESS_CLASS = 256
+"""Bytes: a read-only plan's memo sees an input's address through its power-of-two
+alignment, up to this (every alignment rule a backend's ``accepts_rows`` states in practice:
+flashinfer's is 16)."""
+
+
+def _alignment(address: int) -> int:
+    """The largest power of two dividing ``address``, at most `ADDRESS_CLASS`."""
+    return min(address & -address, ADDRESS_CLASS) if address else ADDRESS_CLASS
+
+
+def separate_signature(
+    given: SeparateQKV, *, writes: bool, addresses: bool = True
+) -> tuple[object, ...] | None:
+    """The memo key of a ``(q, k, v)`` input (None when one of them is no tensor).
+
+    Everything the checks and the cut read: shapes, strides, offsets, dtypes, devices, and
+    the addresses. A plan that writes q and k in place keys the addresses themselves (the
+    aliasing rule compares them); a read-only one keys their alignment (`_alignment`), all
+    an alignment rule can see, and nothing of them when the kernel states no rule
+    (``addresses=False``). So a model's new q/k/v tensors in every layer (fresh addresses,
+    one geometry) are checked once per plan, not once per layer."""
     parts: list[object] = []
     for t in (given.q, given.k, given.v):
         if type(t) is not torch.Tensor:
             return None
-        parts += (t.data_ptr(), t.storage_offset(), t.shape, t.stride(), t.dtype, t.device)
-    return ("separate", *parts)
+        address = t.data_ptr()
+        parts += (
+            address if writes else _alignment(address) if addresses else None,
+            t.storage_offset(),
+            t.shape,
+            t.stride(),
+            t.dtype,
+            t.device,
+        )
+    return ("separate", writes, *parts)
 
 
 def rotate_separate(

@@ -349,12 +349,39 @@ process, so `select` probes it once per device (`clear_selection_cache` forgets 
 library installed since)."""
 
 
+_cleared = 0
+"""How many times `clear_selection_cache` ran: part of `decision_epoch`."""
+
+
 def clear_selection_cache() -> None:
     """Forget every decision and every detected platform: the next `select` probes the machine
     and decides again (after installing a library, or in tests)."""
+    global _cleared
     with _cache_lock:
         _cache.clear()
         _platforms.clear()
+        _cleared += 1
+
+
+def decision_epoch() -> tuple[object, ...]:
+    """Everything a decision depends on besides its request, read in a few microseconds: the
+    process registry and its generation, the RoPE pass table, the environment variables
+    `select` reads and the clears of its cache. A caller that keeps a `Selection` (the
+    transformers integration keeps one per attention module) reuses it while this value is
+    unchanged, and asks `select` again when it changes, so a decision kept on a model follows
+    the registry and the environment exactly as `select`'s own cache does."""
+    registry = get_registry()
+    env = os.environ
+    return (
+        registry.serial,
+        registry.generation,
+        table_generation(),
+        _cleared,
+        env.get(BACKEND_ENV),
+        env.get(STRICT_ENV),
+        env.get(PLUGINS_ENV),
+        env.get(DISABLE_ENV),
+    )
 
 
 def _cached(key: _Key) -> Selection | None:

@@ -115,9 +115,12 @@ class FMHAParams:
         cu = [0]
         for n in lengths:
             cu.append(cu[-1] + n)
-        positions = torch.cat([torch.arange(n, dtype=torch.int32) for n in lengths])
+        host_cu = torch.tensor(cu, dtype=torch.int32)
+        positions = torch.arange(total, dtype=torch.int32)
+        if len(lengths) > 1:  # each sequence counts from 0: subtract its start from its rows
+            positions -= host_cu[:-1].repeat_interleave(torch.tensor(lengths), output_size=total)
         try:
-            cu_tensor = torch.tensor(cu, dtype=torch.int32).to(dev)
+            cu_tensor = host_cu.to(dev)
             positions = positions.to(dev)
         except (RuntimeError, AssertionError) as exc:
             raise ParamsError(f"cannot place batch metadata on {dev}: {exc}") from None

@@ -43,7 +43,6 @@ from typing import Any
 
 import torch
 
-from .._select._selector import Selection
 from .._values._errors import IntegrationError, MaskMismatchError
 from .._values._spec import AttentionSpec
 from . import _layout
@@ -143,7 +142,12 @@ class MaskRequest:
     """The tensors the function reads (`_hf_mask_kinds.Data`: packed-sequence ids, remapped
     positions), checked against each batch's layout."""
     checked: set[Hashable] = field(default_factory=set)
-    selections: dict[Hashable, Selection] = field(default_factory=dict)
+    lanes: dict[Hashable, Any] = field(default_factory=dict)
+    """The attention calls of this forward resolved so far, by call key
+    (`transformers._Lane`): the layers after the first of a class reuse its resolution."""
+    epoch: tuple[object, ...] | None = None
+    """`decision_epoch` when the hook ran: the attention calls of this forward reuse the
+    selections their modules keep while it holds (None: each call reads it)."""
     _causal: list[bool] = field(default_factory=list)
     """The probe's answer, once per forward (`mask_is_causal`)."""
 
@@ -155,19 +159,41 @@ class MaskRequest:
         if self.evaluate is None:
             return None
         if not self._causal:
-            valid = (
-                self.padding
-                if self.padding is not None
-                else torch.ones(self.batch, self.length, dtype=torch.bool, device=self.device)
-            )
-            rows = (valid.sum(dim=1) >= 2).nonzero().reshape(-1)
-            if rows.numel() == 0:
+            probe = self._probe_cell()
+            if probe is None:
                 return None
-            row = int(rows[0])
-            first, second = (int(c) for c in valid[row].nonzero().reshape(-1)[:2].tolist())
-            sees_later = bool(self.evaluate(row + 1, first, 1, second, 1)[row, 0, 0])
-            self._causal.append(not sees_later)
+            row, first, second = probe
+            # a function of shift-free primitives reading no data answers a cell by the
+            # distance of its tokens alone: the answer is a value of (signature, distance)
+            memo = (self.proof, second - first) if self.proof and not self.packed_ids else None
+            known = _causal_by_proof.get(memo) if memo is not None else None
+            if known is None:
+                known = not bool(self.evaluate(row + 1, first, 1, second, 1)[row, 0, 0])
+                if memo is not None:
+                    with _requests_lock:
+                        if len(_causal_by_proof) >= _PROOFS_KEPT:
+                            _causal_by_proof.clear()
+                        _causal_by_proof[memo] = known
+            self._causal.append(known)
         return self._causal[0]
+
+    def _probe_cell(self) -> tuple[int, int, int] | None:
+        """``(row, first, second)``: the first row with two valid tokens and their columns."""
+        if self.padding is None:
+            return (0, 0, 1) if self.length >= 2 else None
+        rows = (self.padding.sum(dim=1) >= 2).nonzero().reshape(-1)
+        if rows.numel() == 0:
+            return None
+        row = int(rows[0])
+        first, second = (int(c) for c in self.padding[row].nonzero().reshape(-1)[:2].tolist())
+        return row, first, second
+
+
+_PROOFS_KEPT = 256
+_causal_by_proof: dict[tuple[object, ...], bool] = {}
+"""`MaskRequest.mask_is_causal` by mask signature and probed distance, for signatures that
+read no data: a pure function of the two (code objects, constants, and ``k - q``), so the
+probe runs once per kind of mask, not once per forward."""
 
 
 _requests: dict[int, tuple[weakref.ref[torch.Tensor], MaskRequest]] = {}

@@ -96,6 +96,7 @@ def clear_caches() -> None:
     replaced under a running process, tests)."""
     _codes_by_name.cache_clear()
     recognised_codes.cache_clear()
+    _constant_code.cache_clear()
     _roles.cache_clear()
 
 
@@ -103,8 +104,13 @@ def _constant(function: types.FunctionType) -> bool:
     """A function that cannot depend on its arguments: no closure, no nested code, it reads no
     local variable (its arguments included), and the only globals and attributes it names are
     ``torch.tensor`` and ``torch.bool``."""
-    code = function.__code__
-    if function.__closure__ or not set(code.co_names) <= _CONSTANT_NAMES:
+    return not function.__closure__ and _constant_code(function.__code__)
+
+
+@functools.lru_cache(maxsize=256)
+def _constant_code(code: types.CodeType) -> bool:
+    """`_constant`'s reading of a code object (a value: read once per code, not per call)."""
+    if not set(code.co_names) <= _CONSTANT_NAMES:
         return False
     if any(isinstance(c, types.CodeType) for c in code.co_consts):
         return False

@@ -23,6 +23,7 @@ from __future__ import annotations
 import importlib
 import re
 import threading
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -190,6 +191,52 @@ def attention_layers(config: Any) -> int | None:
     return layers if isinstance(layers, int) and not isinstance(layers, bool) else None
 
 
+@dataclass(frozen=True)
+class ConfigFacts:
+    """What the mask hook needs of a config, once per distinct content of the fields it reads
+    (`config_facts`)."""
+
+    model: str
+    """The model class, for messages (`model_name`)."""
+    mixers: tuple[str, ...]
+    """`token_mixers_outside_attention`."""
+    blind: tuple[str, ...]
+    """`padding_blind_mixers`."""
+    attention_layers: int | None
+    """`attention_layers`."""
+
+
+_FACTS_KEPT = 64
+_facts: dict[tuple[object, ...], ConfigFacts] = {}
+
+
+def config_facts(config: Any) -> ConfigFacts:
+    """`ConfigFacts` of ``config``, kept by the content of every field they are read from (the
+    config class, ``layer_types``, ``num_hidden_layers``, the padding-blind flags, of the text
+    sub-config where the config has one): a config edited after loading gets its own."""
+    text = _text_config(config)
+    layer_types = getattr(text, "layer_types", None)  # untyped config
+    key = (
+        type(config),
+        tuple(str(k) for k in layer_types) if isinstance(layer_types, (list, tuple)) else None,
+        getattr(text, "num_hidden_layers", None),
+        *(bool(getattr(text, flag, False)) for flag in PADDING_BLIND_MIXERS),
+    )
+    found = _facts.get(key)
+    if found is None:
+        found = ConfigFacts(
+            model_name(config),
+            token_mixers_outside_attention(config),
+            padding_blind_mixers(config),
+            attention_layers(config),
+        )
+        with _lock:
+            if len(_facts) >= _FACTS_KEPT:
+                _facts.clear()
+            _facts[key] = found
+    return found
+
+
 # --- models that pick their attention module from a table by implementation name ---------
 
 _TABLE = re.compile(r"^([A-Z][A-Z0-9_]*_ATTENTION_CLASSES)\s*=\s*\{", re.MULTILINE)
@@ -226,6 +273,7 @@ def clear_model_caches() -> None:
     with _lock:
         _classes.clear()
         _bypassers.clear()
+        _facts.clear()
         _tables_found = None
 
 

@@ -8,6 +8,7 @@ framework; `attn_backends.integrations.transformers` decides which source descri
 
 from __future__ import annotations
 
+import functools
 import itertools
 import threading
 from collections.abc import Hashable, Sequence
@@ -66,8 +67,12 @@ def _packed(
     return _layout([b - a for a, b in bounds], batch, seq, device, None, segments=segments)
 
 
+@functools.lru_cache(maxsize=16)
 def full_rows(batch: int, seq: int, device: torch.device) -> BatchLayout:
-    """Each of the ``batch`` rows is one whole sequence of ``seq`` tokens."""
+    """Each of the ``batch`` rows is one whole sequence of ``seq`` tokens. The layout depends
+    on the shape alone, so it is made once and shared by every batch, model and thread of that
+    shape, with the plans prepared on it (``plans``: read and written under a lock, see
+    `prepared_plan`); ``full_rows.cache_clear()`` drops them."""
     return _layout([seq] * batch, batch, seq, device, None)
 
 

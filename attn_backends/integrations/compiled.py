@@ -17,6 +17,13 @@ moves out of the compiled region:
 The handle is the same for every batch, so a new batch changes the table, not the graph.
 The model is called with ``input_ids`` and restarting ``position_ids`` only; the mask hook
 returns no mask while a batch is prepared (the plans hold the layout).
+
+What runs is what the example proved. A model forward pre-hook puts the op
+``attn_backends::check_batch`` at the model's input: inside ``ready.batch`` its tokens must be
+the prepared count and its ``position_ids`` must restart exactly at the prepared boundaries (a
+batch of other sequences is refused, not run on plans made for these). A batch of several
+sequences needs an example batch of several, whose mask check proved packed rows for every
+spec (`_hf_proof`): one sequence proves no boundary.
 """
 
 from __future__ import annotations
@@ -33,13 +40,14 @@ from .._select._selector import select
 from .._values._errors import IntegrationError
 from .._values._params import FMHAParams
 from .._values._spec import AttentionSpec
-from . import _hf_features, _hf_mask, _registered
+from . import _hf_call, _hf_features, _hf_mask, _hf_proof, _registered
 from ._layout import dense_heads
 from ._packed import check_served
-from .transformers import _refuse_unsupported_call, _spec_for
 
 __all__ = ["CompileReady", "compile_ready"]
 
+_CHECKED = "_attn_backends_checks_batches"
+"""Set on a model once `compile_ready` registered its input check (`_checked_inputs`)."""
 _HANDLE = "_attn_backends_handle"
 """The attribute holding an attention module's handle: an int that dynamo reads as a
 constant of the graph."""
@@ -56,6 +64,8 @@ class _ThreadState(threading.local):
         self.learning: list[CompileReady] = []
         """The `CompileReady` whose example batch this thread is running (specs being
         learned)."""
+        self.bounds: list[int] | None = None
+        """The prefix sums `CompileReady.batch` prepared the table for."""
 
 
 _state = _ThreadState()
@@ -105,6 +115,72 @@ def _prefill_fake(
     return q.new_empty(q.shape)
 
 
+@torch.library.custom_op("attn_backends::check_batch", mutates_args=())
+def check_batch(tokens: torch.Tensor, position_ids: torch.Tensor | None) -> torch.Tensor:
+    """The model's input checked against the batch `CompileReady.batch` prepared: its tokens
+    (``input_ids [1, T]`` or ``inputs_embeds [1, T, C]``) are the prepared count, and its
+    ``position_ids`` restart exactly at the prepared boundaries and count up by one between
+    them (as `pack_sequences` makes them), so the plans describe the sequences the model
+    embeds. Returns a copy of ``tokens`` for the model to read (the check stays in the graph).
+    Reads the positions on the host: one synchronisation per forward on a GPU."""
+    bounds = _state.bounds
+    if bounds is None:
+        raise IntegrationError(
+            "the model was called with no prepared batch: call it inside "
+            "`with ready.batch(cu_seq_lens):` of the CompileReady that prepared it"
+        )
+    tokens_n = bounds[-1]
+    if tokens.dim() < 2 or tokens.shape[0] != 1 or tokens.shape[1] != tokens_n:
+        raise IntegrationError(
+            f"the model is given input of shape {tuple(tokens.shape)} but ready.batch "
+            f"prepared plans for one packed row of {tokens_n} tokens: pass the cu_seq_lens "
+            "of the batch the model is called with"
+        )
+    starts = bounds[:-1]
+    if position_ids is None:
+        if len(starts) > 1:
+            raise IntegrationError(
+                f"the model is called without position_ids on a batch of {len(starts)} "
+                "sequences: it would number the whole row as one sequence; pass position_ids "
+                "restarting at each sequence (pack_sequences makes them)"
+            )
+    elif tuple(position_ids.shape) != (1, tokens_n) or not _hf_proof.positions_split_at(
+        position_ids[0].cpu(), starts, strict=True
+    ):
+        raise IntegrationError(
+            f"position_ids do not restart exactly at the boundaries ready.batch prepared "
+            f"({bounds[:6]}{'...' if len(bounds) > 6 else ''}): the model would embed other "
+            "sequences than its attention keeps apart; prepare the batch with the cu_seq_lens "
+            "its position_ids describe"
+        )
+    return tokens.clone()
+
+
+@check_batch.register_fake
+def _check_batch_fake(tokens: torch.Tensor, position_ids: torch.Tensor | None) -> torch.Tensor:
+    return tokens.new_empty(tokens.shape)
+
+
+def _checked_inputs(
+    module: torch.nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]
+) -> tuple[tuple[Any, ...], dict[str, Any]] | None:
+    """The model's forward pre-hook: inside a prepared batch (compiled or not) its input goes
+    through `check_batch` first."""
+    if not (torch.compiler.is_compiling() or _state.table):
+        return None
+    positions = kwargs.get("position_ids")
+    if args and isinstance(args[0], torch.Tensor):
+        return (check_batch(args[0], positions), *args[1:]), kwargs
+    for name in ("input_ids", "inputs_embeds"):
+        given = kwargs.get(name)
+        if isinstance(given, torch.Tensor):
+            return args, {**kwargs, name: check_batch(given, positions)}
+    raise IntegrationError(
+        "call the model with input_ids (or inputs_embeds) inside ready.batch: compile_ready "
+        "checks them against the prepared batch"
+    )
+
+
 def _attention(inner: Any) -> Any:
     def attention(
         module: torch.nn.Module,
@@ -132,9 +208,9 @@ def _attention(inner: Any) -> Any:
             return out.view(1, seq, heads, head_dim), None
         if _state.learning:
             ready = _state.learning[-1]
-            _refuse_unsupported_call(module, query, key, value, dropout, kwargs)
+            _hf_call.refuse_unsupported_call(module, query, key, value, dropout, kwargs)
             request = _hf_mask.request_of(attention_mask)
-            spec = _spec_for(
+            spec = _hf_call.layer_spec(
                 module, query, key, scaling, is_causal, kwargs, request, attention_mask
             )
             setattr(module, _HANDLE, ready._handle_for(spec))
@@ -167,6 +243,9 @@ class CompileReady:
         self.device = next(model.parameters()).device
         self.specs: dict[AttentionSpec, int] = {}
         """Every attention spec of the model and its handle."""
+        self.packed_proved = False
+        """Whether the example batch proved packed rows for every module (`_hf_proof`): set
+        by `compile_ready`; without it only batches of one sequence are served."""
 
     def _handle_for(self, spec: AttentionSpec) -> int:
         handle = self.specs.get(spec)
@@ -193,14 +272,24 @@ class CompileReady:
         if _state.table:
             raise IntegrationError("CompileReady.batch blocks do not nest")
         _registered.require_still(self.model, self.name, "compile_ready")
+        if len(lengths) > 1 and not self.packed_proved:
+            raise IntegrationError(
+                f"CompileReady.batch is given {len(lengths)} sequences, but the example batch "
+                "compile_ready checked proved no batch of several: it held one sequence, or "
+                "the model's mask is not one the library proves for every packed batch. Call "
+                "compile_ready with an example of two or more sequences, or run this model "
+                "through the integration without compile_ready"
+            )
         params = FMHAParams.from_lengths(lengths, device=self.device)
         for spec, handle in self.specs.items():
             chosen = select(spec, device=self.device, backend=self.backend).backend
             _state.table[handle] = (chosen, chosen.prepare(params), bounds[-1])
+        _state.bounds = bounds
         try:
             yield
         finally:
             _state.table.clear()
+            _state.bounds = None
 
 
 def compile_ready(
@@ -240,6 +329,9 @@ def compile_ready(
             compiled_name, _mask(AttentionMaskInterface._global_mapping[name])
         )
         model.set_attn_implementation(compiled_name)  # type: ignore[operator]
+    if not getattr(model, _CHECKED, False):  # one pre-hook per model, however often prepared
+        model.register_forward_pre_hook(_checked_inputs, with_kwargs=True)
+        setattr(model, _CHECKED, True)
     cu = cu_seq_lens.to(device=ready.device, dtype=torch.int32)
     if position_ids is None:
         bounds = cu.tolist()
@@ -262,6 +354,10 @@ def compile_ready(
         _state.learning.pop()
     hidden = out[0] if isinstance(out, tuple) else next(iter(out.values()))
     check_served(hidden, cu)
+    proofs = _hf_proof.model_proofs(model)
+    ready.packed_proved = bool(ready.specs) and all(
+        _hf_proof.proves(proofs, spec, several=True) for spec in ready.specs
+    )
     if not ready.specs:
         raise IntegrationError(
             f"{type(model).__name__} ran no attention layer through the integration on the "

@@ -25,9 +25,17 @@ encoder works per token, and only the batch's rows are returned.
 
 On CPU (no capture) the runner does the same bucketing with the same static buffers, running
 the model eagerly: with graph plans when the backend offers them, else with a per-batch plan of
-the same padded sequence list. Before its first bucketed batch the runner runs that batch
-through the integration unchanged, so a model the integration refuses is refused here first,
-with the integration's error.
+the same padded sequence list.
+
+What the runner serves is what the integration proved, never more. Until a batch of several
+sequences has run through the integration unchanged (its checks, and its refusals with their
+own errors, included), every batch does. The integration keeps the classes of mask checks it
+passed (`_hf_proof`); each layer call of a bucket computes its spec with the same hook
+(`_hf_call.layer_spec`) and must be covered by one of them (a packed one for a batch of
+several sequences), else it is refused by name. Positions a caller gives are checked against
+the batch's boundaries where the model's mask reads packed sequences from them, and a model
+with token mixers outside attention (which would read a bucket's padding rows) runs every
+batch through the integration.
 
 While the runner drives a forward, the model's attention and mask functions (registered under
 ``<name>_graphs``, to which the runner switches the model) serve the bucket; at any other time
@@ -57,9 +65,8 @@ from .._values._errors import (
 from .._values._params import FMHAParams
 from .._values._platform import Platform
 from .._values._spec import AttentionSpec
-from . import _hf_features, _hf_models, _layout, _registered
+from . import _hf_call, _hf_features, _hf_models, _hf_proof, _layout, _registered
 from ._packed import check_served, mark_served
-from .transformers import _refuse_unsupported_call, _spec_for
 
 __all__ = ["GraphRunner", "RunnerStats"]
 
@@ -217,6 +224,9 @@ class GraphRunner:
         self._states: dict[GraphBucket, _BucketState] = {}
         self._pool: Any = None
         self._checked = False
+        self._proofs: frozenset[_hf_proof.MaskProof] = frozenset()
+        """What the batches the integration checked proved of the model's mask (`_hf_proof`):
+        every bucketed layer call must be covered by one of them."""
         self._no_cache = "use_cache" in inspect.signature(model.forward).parameters
         self._lock = threading.Lock()
         """Serializes calls: a bucket's input buffers, plans and graph are one batch's at a
@@ -302,20 +312,28 @@ class GraphRunner:
                 f"cu_seq_lens {bounds[:6]}{'...' if len(bounds) > 6 else ''}"
             )
         input_ids = input_ids.to(self.device)
+        given = position_ids is not None
         if position_ids is None:
             position_ids = self._positions(lengths)
         position_ids = _layout.check_position_ids(position_ids, tokens).to(self.device)
         bucket = self.bucket_for(lengths)
         self.stats.buckets.append(bucket)
-        if bucket is None or not self._checked:
+        mixers = _hf_models.config_facts(self.model.config).mixers
+        if bucket is None or not self._checked or mixers:
+            # a model with token mixers outside attention would read a bucket's padding rows
+            # as tokens: every batch runs through the integration (which refuses packed rows
+            # of several sequences for it, and serves one sequence exactly)
             hidden = self._eager(input_ids, position_ids, bounds)
             # a batch of one sequence has no boundary to prove: the model's keeping sequences
             # apart (and the integration's refusals of models that mix them) is proved by the
             # first batch of several, which runs through the integration like this one
-            self._checked = len(lengths) > 1
-            if bucket is None:
+            self._proofs = _hf_proof.model_proofs(self.model)
+            self._checked = self._checked or len(lengths) > 1
+            if bucket is None or mixers:
                 self.stats.eager += 1
                 return self._served(hidden, cu_seq_lens)
+        elif given:
+            self._check_positions(position_ids, bounds)
         hidden = self._bucketed(self._state(bucket), input_ids, position_ids, lengths)
         return self._served(hidden, cu_seq_lens)
 
@@ -330,6 +348,28 @@ class GraphRunner:
         return hidden
 
     # -- internals --------------------------------------------------------------------------
+
+    def _check_positions(self, position_ids: torch.Tensor, bounds: list[int]) -> None:
+        """A caller's positions must describe the batch's sequences where the model's mask
+        reads them (a causal mask finds packed sequences in them): the proved class holds
+        only for positions that count up by one inside each sequence and, for packed ids,
+        break at every start. One read on the host."""
+        reads = {role for proof in self._proofs for role in proof.reads}
+        if not reads:
+            return
+        row = position_ids[0].cpu()
+        if not _hf_proof.positions_split_at(row, bounds[:-1], strict="ids" in reads):
+            raise IntegrationError(
+                f"GraphRunner: position_ids do not restart exactly at the cu_seq_lens "
+                f"boundaries {bounds[:6]}{'...' if len(bounds) > 6 else ''}, and the model's "
+                "mask reads its packed sequences from them; pass positions restarting per "
+                "sequence (the default when position_ids is None)"
+            )
+
+    def _proved_causal(self) -> bool | None:
+        """The causal flag every packed proof agrees on (None: none, or they differ)."""
+        found = {proof.causal for proof in self._proofs}
+        return found.pop() if len(found) == 1 else None
 
     def _positions(self, lengths: Sequence[int]) -> torch.Tensor:
         return torch.cat([torch.arange(n) for n in lengths])[None] + self.position_offset
@@ -479,8 +519,19 @@ class GraphRunner:
         is_causal: bool | None,
         kwargs: dict[str, Any],
     ) -> tuple[torch.Tensor, None]:
-        _refuse_unsupported_call(module, query, key, value, dropout, kwargs)
-        spec = _spec_for(module, query, key, scaling, is_causal, kwargs)
+        _hf_call.refuse_unsupported_call(module, query, key, value, dropout, kwargs)
+        spec = _hf_call.layer_spec(
+            module, query, key, scaling, is_causal, kwargs, proved_causal=self._proved_causal()
+        )
+        several = sum(1 for n in state.lengths if n > 0) > 1
+        if not _hf_proof.proves(self._proofs, spec, several=several):
+            raise IntegrationError(
+                f"GraphRunner: {type(module).__name__} runs attention spec {spec} on "
+                f"{'several packed sequences' if several else 'one sequence'}, but no batch "
+                "the integration checked proved that class (the model's mask is not one the "
+                "library proves once for every such batch, or the model changed since); run "
+                "the model through the integration without GraphRunner"
+            )
         backend, plan, qkv = self._plan(state, spec)
         sinks = _hf_features.sinks_from_hf(module, kwargs, spec.num_heads)
         if qkv is None:

@@ -49,18 +49,19 @@ needs it.
 from __future__ import annotations
 
 import functools
-import itertools
 import logging
 import threading
 from collections.abc import Hashable, Mapping
+from dataclasses import dataclass
 from typing import Any
 
 import torch
 
-from .._select._selector import Selection, select
+from .._select._selector import Selection, decision_epoch
 from .._values._errors import IntegrationError, MaskMismatchError
 from .._values._spec import AttentionSpec
-from . import _hf_features, _hf_mask, _hf_mask_kinds, _hf_models, _layout
+from . import _hf_call, _hf_features, _hf_mask, _hf_mask_kinds, _hf_models, _hf_proof, _layout
+from ._hf_call import clear_decisions, decisions
 from ._hf_mask import MaskRequest
 from ._layout import BatchLayout
 from ._packed import PackedBatch, mark_served, pack_sequences, unpack_hidden
@@ -72,6 +73,7 @@ __all__ = [
     "MaskMismatchError",
     "PackedBatch",
     "attention_forward",
+    "clear_decisions",
     "decisions",
     "pack_sequences",
     "padding_mask",
@@ -79,13 +81,9 @@ __all__ = [
     "unpack_hidden",
 ]
 
-_decided: dict[tuple[AttentionSpec, torch.device, str | None, str], Selection] = {}
-"""Every distinct decision served so far, for `decisions()` and the log; never read to serve
-(each forward asks `select`, whose own cache follows the registry and the environment)."""
-_decided_lock = threading.Lock()
 _plans_lock = threading.Lock()
-"""Guards ``BatchLayout.plans``: the whole-rows layouts of `_full_rows` are shared by every
-thread and model."""
+"""Guards ``BatchLayout.plans``: the whole-rows layouts of `_layout.full_rows` are shared by
+every thread and model."""
 logger = logging.getLogger("attn_backends")
 
 
@@ -110,24 +108,10 @@ def register(name: str = DEFAULT_NAME, *, backend: str | None = None) -> str:
     return name
 
 
-def decisions() -> list[Selection]:
-    """The backend decisions the attention function has served so far (one per spec, device,
-    requested backend and chosen backend): ``[s.name for s in decisions()]`` says which
-    backend served a model."""
-    with _decided_lock:
-        return list(_decided.values())
-
-
-def clear_decisions() -> None:
-    """Forget the decisions `decisions` reports; the next one of each is logged again."""
-    with _decided_lock:
-        _decided.clear()
-
-
 def clear_layout_cache() -> None:
     """Drop the shared whole-rows layouts and the plans prepared on them (they keep their
     backends, and those backends' memory, alive past a `reset_registry`)."""
-    _full_rows.cache_clear()
+    _layout.full_rows.cache_clear()
 
 
 def padding_mask(
@@ -149,7 +133,8 @@ def padding_mask(
     function evaluates it once per batch against what it computes.
     """
     config = kwargs.get("config")
-    model = _hf_models.model_name(config) if config is not None else "the model"
+    facts = _hf_models.config_facts(config) if config is not None else None
+    model = facts.model if facts is not None else "the model"
     chunk: int | None = None
     if config is not None:
         _hf_models.refuse_bypassing_model(config)
@@ -186,10 +171,10 @@ def padding_mask(
     if callable(function):
         evaluate = _hf_mask.hook_mask(function, padding, use_vmap, device)
         blocks = _hf_mask.hook_blocks(function, padding, use_vmap, device)
-    if config is not None and padding is None and evaluate is not None:
-        _refuse_packed_mixers(config, model, evaluate, batch_size, kv_length, chunk)
-    if config is not None and padding is not None:
-        _refuse_padding_blind_mixers(config, model)
+    if facts is not None and facts.mixers and padding is None and evaluate is not None:
+        _refuse_packed_mixers(facts.mixers, model, evaluate, batch_size, kv_length, chunk)
+    if facts is not None and facts.blind and padding is not None:
+        _refuse_padding_blind_mixers(facts.blind, model)
     request = MaskRequest(
         model,
         batch_size,
@@ -201,20 +186,20 @@ def padding_mask(
         chunk_size=chunk,
         mask_given=attention_mask is not None,
     )
-    if config is not None:
-        request.attention_layers = _hf_models.attention_layers(config)
-        request.mixers = _hf_models.token_mixers_outside_attention(config)
+    if facts is not None:
+        request.attention_layers = facts.attention_layers
+        request.mixers = facts.mixers
     proof = _hf_mask_kinds.proof_signature(function)
     if proof is not None:
         request.proof, ids = proof
         request.packed_ids = tuple(ids)
+    request.epoch = decision_epoch()  # once per forward: the layers' kept selections hold
     return _hf_mask.record(_hf_mask.guard(token, model), request)
 
 
-def _refuse_padding_blind_mixers(config: Any, model: str) -> None:
+def _refuse_padding_blind_mixers(blind: tuple[str, ...], model: str) -> None:
     """Refuse a padded batch for a model whose token mixers outside attention read the padded
-    positions: there the model's attention output has values, attn_backends' is 0."""
-    blind = _hf_models.padding_blind_mixers(config)
+    positions (``blind``): there the model's attention output has values, attn_backends' is 0."""
     if blind:
         raise IntegrationError(
             f"{model} is given a padded batch, but its {', '.join(blind)} mix the padded "
@@ -225,7 +210,7 @@ def _refuse_padding_blind_mixers(config: Any, model: str) -> None:
 
 
 def _refuse_packed_mixers(
-    config: Any,
+    mixers: tuple[str, ...],
     model: str,
     evaluate: _hf_mask.ModelMask,
     batch: int,
@@ -236,7 +221,6 @@ def _refuse_packed_mixers(
     outside the attention function: they would run across the sequences' boundaries.
     transformers marks packed rows (restarting ``position_ids``) in the mask function; a
     mask that hides some token's left neighbour splits its row."""
-    mixers = _hf_models.token_mixers_outside_attention(config)
     # a chunked mask (``chunk``) splits rows at chunk starts by itself: not counted
     if mixers and _hf_mask.splits_rows(evaluate, batch, length, chunk):
         raise IntegrationError(_packed_mixers_message(model, mixers))
@@ -249,125 +233,6 @@ def _packed_mixers_message(model: str, mixers: tuple[str, ...]) -> str:
         "boundaries; attn_backends keeps only its attention layers apart. Pass a padded batch "
         "(each sequence its own row) instead"
     )
-
-
-def _refuse_unsupported_call(
-    module: torch.nn.Module,
-    query: torch.Tensor,
-    key: torch.Tensor,
-    value: torch.Tensor,
-    dropout: float,
-    kwargs: Mapping[str, Any],
-) -> None:
-    name = type(module).__name__
-    if dropout > 0 and module.training:
-        raise IntegrationError(
-            f"{name} runs attention dropout {dropout} in training; attn_backends serves "
-            "inference only: call model.eval() or set the attention dropout to 0"
-        )
-    if kwargs.get("output_attentions"):
-        raise IntegrationError(
-            "output_attentions=True needs the attention weights, which attn_backends never "
-            "materialises; use attn_implementation='eager' for that call"
-        )
-    if query.dim() != 4 or key.dim() != 4 or value.dim() != 4:
-        raise IntegrationError(
-            f"{name} passed q/k/v of shapes {tuple(query.shape)}, {tuple(key.shape)}, "
-            f"{tuple(value.shape)}; expected [batch, heads, seq, head_dim]"
-        )
-    if key.shape[2] != query.shape[2] or key.shape[0] != query.shape[0]:
-        raise IntegrationError(
-            f"{name} attends {query.shape[2]} queries to {key.shape[2]} keys: cross-attention "
-            "or a KV cache, which the no-cache prefill path does not serve; call the model "
-            "with use_cache=False on self-attention models"
-        )
-    if value.shape[-1] != query.shape[-1] or key.shape[-1] != query.shape[-1]:
-        raise IntegrationError(
-            f"{name} has q/k/v head dims {query.shape[-1]}/{key.shape[-1]}/{value.shape[-1]}; "
-            "attn_backends needs one head_dim for all three"
-        )
-
-
-def _spec_for(
-    module: torch.nn.Module,
-    query: torch.Tensor,
-    key: torch.Tensor,
-    scaling: float | None,
-    is_causal: bool | None,
-    kwargs: Mapping[str, Any],
-    request: MaskRequest | None = None,
-    mask: torch.Tensor | None = None,
-) -> AttentionSpec:
-    # The call's flag, else the module's (untyped: not all modules define ``is_causal``), else
-    # the model's own mask: transformers' eager and sdpa paths apply the mask they are given
-    # and read the flag only without one (then as causal).
-    declared = is_causal if is_causal is not None else getattr(module, "is_causal", None)
-    if declared is None and request is not None:
-        declared = request.mask_is_causal()
-    elif declared is None and isinstance(mask, torch.Tensor) and mask.dim() == 4:
-        declared = _hf_mask.mask_4d_is_causal(mask, type(module).__name__)
-    causal = bool(declared if declared is not None else True)
-    features = _hf_features.hf_features(module, kwargs, causal=causal)
-    return AttentionSpec(
-        num_heads=int(query.shape[1]),
-        num_kv_heads=int(key.shape[1]),
-        head_dim=int(query.shape[-1]),
-        dtype=query.dtype,
-        causal=causal,
-        rope=None,  # the model rotated q and k before calling attention
-        softmax_scale=None if scaling is None else float(scaling),
-        # from the mask this layer was handed (the hook read it)
-        chunk_size=request.chunk_size if request is not None else None,
-        **features,  # type: ignore[arg-type]
-    )
-
-
-def _selection(
-    spec: AttentionSpec,
-    device: torch.device,
-    backend: str | None,
-    module: torch.nn.Module,
-    request: MaskRequest | None,
-) -> Selection:
-    """`select`'s decision, asked once per forward (per batch and spec) when the mask hook
-    ran, else per call: its cache follows the registry, the policy and the environment."""
-    key = (spec, device, backend)
-    found = request.selections.get(key) if request is not None else None
-    if found is None:
-        found = select(spec, device=device, backend=backend)
-        if request is not None:
-            request.selections[key] = found
-        _log_decision(found, spec, device, backend, module)
-    return found
-
-
-def _log_decision(
-    found: Selection,
-    spec: AttentionSpec,
-    device: torch.device,
-    backend: str | None,
-    module: torch.nn.Module,
-) -> None:
-    key = (spec, device, backend, found.name)
-    with _decided_lock:
-        new = key not in _decided
-        _decided[key] = found
-    if new:
-        logger.info(
-            "attn_backends: %s on %s served by %s (causal=%s, window=%s, logit_softcap=%s, "
-            "chunk_size=%s, %d/%d heads, head_dim %d, %s)",
-            type(module).__name__,
-            device,
-            found.name,
-            spec.causal,
-            spec.window.describe() if spec.window is not None else None,
-            spec.logit_softcap,
-            spec.chunk_size,
-            spec.num_heads,
-            spec.num_kv_heads,
-            spec.head_dim,
-            str(spec.dtype).removeprefix("torch."),
-        )
 
 
 def _packed_source(
@@ -468,12 +333,6 @@ def _unhooked_layout(
         if layout.segments:
             mark_served(source)
         return layout
-    return _full_rows(batch, seq, device)
-
-
-@functools.lru_cache(maxsize=16)
-def _full_rows(batch: int, seq: int, device: torch.device) -> BatchLayout:
-    """Whole rows: the layout depends on the shape alone, so it is shared across batches."""
     return _layout.full_rows(batch, seq, device)
 
 
@@ -493,9 +352,8 @@ def _batch_layout(
         layout = _hooked_layout(request, batch, seq, kwargs, layer)
         verdict = (id(layout), spec.causal, spec.window, spec.chunk_size)
         if request.evaluate is not None and verdict not in request.checked:
-            proof = _mask_proof(request, layout, spec)
-            proven: set[Hashable] = module.__dict__.setdefault(_PROOFS, set())
-            if proof is None or proof not in proven:
+            proof = _hf_proof.mask_proof(request, layout, spec)
+            if proof is None or not _hf_proof.proved(module, proof):
                 _hf_mask.check_mask(
                     request.evaluate,
                     layout,
@@ -505,7 +363,7 @@ def _batch_layout(
                     blocks=request.blocks,
                 )
                 if proof is not None:
-                    proven.add(proof)
+                    _hf_proof.remember(module, proof)
             request.checked.add(verdict)
         return layout
     if attention_mask is None:
@@ -533,66 +391,6 @@ def _batch_layout(
     )
 
 
-_PROOFS = "_attn_backends_mask_proofs"
-"""The attention module's set of mask proofs (`_mask_proof`): a check passed once per class."""
-
-
-def _mask_proof(request: MaskRequest, layout: BatchLayout, spec: AttentionSpec) -> Hashable | None:
-    """The class of this batch's mask check, when one passed check proves every batch of it:
-    the model's mask function as a value (shift-free primitives, `MaskRequest.proof`), the
-    spec's mask fields, and a layout whose sequences those primitives see from their start
-    (rows whose valid tokens are contiguous, or one packed row whose packed-sequence ids
-    change exactly at its boundaries). None: this batch is checked in full."""
-    if request.proof is None:
-        return None
-    if layout.segments:
-        if layout.batch != 1 or not _reads_match_segments(request.packed_ids, layout):
-            return None
-        kind = "packed"
-    else:
-        if request.packed_ids or not _contiguous(layout.valid):
-            return None
-        kind = "rows"
-    return (request.proof, spec.causal, spec.window, spec.chunk_size, kind)
-
-
-def _contiguous(valid: torch.Tensor | None) -> bool:
-    """Whether each row's valid tokens are one run (no padding between them)."""
-    if valid is None:
-        return True
-    count = valid.sum(1)
-    first = valid.int().argmax(1)
-    last = valid.shape[1] - 1 - valid.flip(1).int().argmax(1)
-    return bool(((last - first + 1 == count) | (count == 0)).all())
-
-
-def _reads_match_segments(data: tuple[tuple[str, Any], ...], layout: BatchLayout) -> bool:
-    """Whether the tensors the mask reads agree with the layout's sequences, over a row they
-    tile: packed-sequence ids change exactly where a sequence starts, remapped positions count
-    up by one within each sequence."""
-    starts = [start for _, start, _ in layout.segments]
-    if starts[0] != 0 or layout.segments[-1][2] != layout.seq:
-        return False
-    if any(a[2] != b[1] for a, b in itertools.pairwise(layout.segments)):
-        return False
-    for role, tensor in data:
-        if not isinstance(tensor, torch.Tensor) or tuple(tensor.shape) != (1, layout.seq):
-            return False
-        row = tensor[0]
-        if role == "ids":
-            changes = (row[1:] != row[:-1]).nonzero().flatten() + 1
-            if changes.tolist() != starts[1:]:
-                return False
-        elif role == "positions":
-            inside = torch.ones(layout.seq - 1, dtype=torch.bool, device=row.device)
-            inside[[s - 1 for s in starts[1:]]] = False  # the step across a boundary is free
-            if not bool(((row[1:] - row[:-1] == 1) | ~inside).all()):
-                return False
-        else:
-            return False
-    return True
-
-
 def _same_keys(cu_q: torch.Tensor, cu_k: object) -> torch.Tensor:
     """``cu_seq_lens_q``, once checked (per batch) to equal ``cu_seq_lens_k`` when given."""
     if isinstance(cu_k, torch.Tensor) and cu_k is not cu_q and not torch.equal(cu_k, cu_q):
@@ -601,6 +399,15 @@ def _same_keys(cu_q: torch.Tensor, cu_k: object) -> torch.Tensor:
             "queries mean a KV cache or cross-attention; pass equal prefix sums"
         )
     return cu_q
+
+
+def _same_sources(lane: _Lane, kwargs: Mapping[str, Any]) -> bool:
+    q, k, positions = lane.sources
+    return (
+        kwargs.get("cu_seq_lens_q") is q
+        and kwargs.get("cu_seq_lens_k") is k
+        and kwargs.get("position_ids") is positions
+    )
 
 
 def _plan_for(layout: BatchLayout, selection: Selection, spec: AttentionSpec) -> object:
@@ -615,6 +422,97 @@ def _token_rows(x: torch.Tensor, layout: BatchLayout) -> torch.Tensor:
         rows, cols = layout.cells
         return per_token[rows, cols]
     return _layout.dense_heads(per_token.reshape(-1, x.shape[1], x.shape[3]))
+
+
+@dataclass(frozen=True, eq=False)
+class _Lane:
+    """One resolved class of attention call within a forward: the layers that make the same
+    call (same shapes, flags, features and layout sources) share the spec, the checked layout,
+    the backend and the plan the first of them resolved, and run only the tensor work."""
+
+    sources: tuple[object, object, object]
+    """The ``cu_seq_lens_q``/``cu_seq_lens_k``/``position_ids`` objects the layout came from:
+    a later call matches only with these very objects."""
+    spec: AttentionSpec
+    layout: BatchLayout
+    backend: Any
+    plan: object
+    served: torch.Tensor | None
+    """The packed source each call marks as served (`mark_served`), None for rows."""
+
+
+def _lane_key(
+    module: torch.nn.Module,
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    scaling: float | None,
+    is_causal: bool | None,
+    backend: str | None,
+    kwargs: Mapping[str, Any],
+) -> Hashable | None:
+    """Everything the resolution of a call reads, as a value (None: resolve it in full; a
+    kwarg of a type only the full path judges)."""
+    window = kwargs.get("sliding_window")
+    cap = kwargs.get("softcap")
+    if (
+        (window is not None and type(window) is not int)
+        or (cap is not None and type(cap) not in (int, float))
+        or kwargs.get("position_bias") is not None
+    ):
+        return None
+    return (
+        query.shape,
+        key.shape,
+        value.shape,
+        query.dtype,
+        query.device,
+        scaling,
+        is_causal,
+        getattr(module, "is_causal", None),  # untyped: not every module defines it
+        window,
+        cap,
+        kwargs.get("s_aux") is not None,
+        backend,
+        id(kwargs.get("cu_seq_lens_q")),
+        id(kwargs.get("cu_seq_lens_k")),
+        id(kwargs.get("position_ids")),
+    )
+
+
+def _resolve(
+    module: torch.nn.Module,
+    query: torch.Tensor,
+    key: torch.Tensor,
+    attention_mask: torch.Tensor | None,
+    request: MaskRequest | None,
+    scaling: float | None,
+    is_causal: bool | None,
+    backend: str | None,
+    kwargs: Mapping[str, Any],
+) -> _Lane:
+    """The full path: the spec, the layout checked against the model's mask, the backend and
+    the plan of one call."""
+    spec = _hf_call.layer_spec(
+        module, query, key, scaling, is_causal, kwargs, request, attention_mask
+    )
+    batch, _, seq, _ = query.shape
+    layout = _batch_layout(module, attention_mask, request, batch, seq, query.device, spec, kwargs)
+    selection = _hf_call.layer_selection(
+        module, spec, query.device, backend, epoch=request.epoch if request is not None else None
+    )
+    plan = _plan_for(layout, selection, spec)
+    served = None
+    if request is not None and request.padding is None and layout.segments:
+        # the source `_hooked_layout` marked for this call, marked again by each later one
+        found = _packed_source(batch, seq, kwargs, positions_pack=_positions_pack(request))
+        served = found[1] if found is not None else None
+    sources = (
+        kwargs.get("cu_seq_lens_q"),
+        kwargs.get("cu_seq_lens_k"),
+        kwargs.get("position_ids"),
+    )
+    return _Lane(sources, spec, layout, selection.backend, plan, served)
 
 
 def attention_forward(
@@ -634,19 +532,40 @@ def attention_forward(
 
     Padded rows of the output are zeros (the model ignores them, as it ignores any value
     there). The spec's ``causal`` flag is ``is_causal`` when given, else ``module.is_causal``, else
-    what the model's own mask says.
+    what the model's own mask says. The first call of each class in a forward resolves it in
+    full (`_resolve`); the layers after it that make the same call reuse that (`_Lane`).
     """
-    _refuse_unsupported_call(module, query, key, value, dropout, kwargs)
+    _hf_call.refuse_unsupported_call(module, query, key, value, dropout, kwargs)
     request = _hf_mask.request_of(attention_mask)
-    spec = _spec_for(module, query, key, scaling, is_causal, kwargs, request, attention_mask)
+    lane: _Lane | None = None
+    call = (
+        _lane_key(module, query, key, value, scaling, is_causal, backend, kwargs)
+        if request is not None
+        else None
+    )
+    if call is not None and request is not None:
+        lane = request.lanes.get(call)
+        if lane is not None and not _same_sources(lane, kwargs):
+            lane = None
+    if lane is None:
+        lane = _resolve(
+            module, query, key, attention_mask, request, scaling, is_causal, backend, kwargs
+        )
+        if call is not None and request is not None:
+            request.lanes[call] = lane
+    elif lane.served is not None and request is not None:
+        mark_served(  # every attention call that reads the packed boundaries counts
+            lane.served,
+            request=request.serial,
+            newest=_hf_mask.newest_serial(),
+            expected=request.attention_layers,
+        )
+    spec, layout = lane.spec, lane.layout
     batch, _, seq, head_dim = query.shape
-    layout = _batch_layout(module, attention_mask, request, batch, seq, query.device, spec, kwargs)
-    selection = _selection(spec, query.device, backend, module, request)
-    plan = _plan_for(layout, selection, spec)
     q_rows = _token_rows(query, layout)
-    out = selection.backend.forward(
+    out = lane.backend.forward(
         (q_rows, _token_rows(key, layout), _token_rows(value, layout)),
-        plan,  # type: ignore[arg-type]
+        lane.plan,
         sinks=_hf_features.sinks_from_hf(module, kwargs, spec.num_heads),
     )
     heads = spec.num_heads

@@ -3,6 +3,10 @@ last resort on GPUs.
 
 Consecutive sequences of equal length form one ``[n, L, H, D]`` view of the packed rows, so a
 batch of equal-length sequences (BERT-style) is a single SDPA call and no gather is needed.
+Sequences of other lengths are grouped (`_groups`): longest first, a sequence joins the group
+of longer ones while the work its padding adds costs less than one more kernel call, and each
+group is one SDPA call on its rows gathered to ``[n, L, H, D]`` with the padded keys masked, its
+valid rows gathered back. A short batch of queries is one call instead of one per length.
 
 Sliding windows, chunks and ALiBi become one explicit mask per distinct sequence length, built in
 ``prepare`` (positions restart per sequence, so every sequence of a length shares it) from the same
@@ -19,6 +23,7 @@ length built in ``prepare``; it copies Q/K/V per layer, which the reference back
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 
 import torch
@@ -37,7 +42,7 @@ from attn_backends.plugin import (
     WindowSupport,
     hookimpl,
 )
-from attn_backends_builtin._masks import dense_mask
+from attn_backends_builtin._masks import dense_mask as _dense_mask
 
 API_VERSION = "2.0"
 
@@ -64,14 +69,132 @@ def _runs(lengths: tuple[int, ...]) -> tuple[_Run, ...]:
     return tuple(r for r in runs if r.length > 0)
 
 
+MASK_CACHE_ELEMENTS = 1 << 20
+"""Masks up to this many elements (1 MiB as bool) are kept (`dense_mask`); longer sequences
+build theirs per batch, so the cache stays within 64 MiB."""
+
+
+@functools.lru_cache(maxsize=64)
+def _kept_mask(spec: AttentionSpec, length: int, device: torch.device) -> torch.Tensor:
+    return _dense_mask(spec, length, device)
+
+
+def dense_mask(spec: AttentionSpec, length: int, device: torch.device) -> torch.Tensor:
+    """`_masks.dense_mask`, kept per spec, length and device for sequences up to
+    `MASK_CACHE_ELEMENTS` cells: a batch of short sequences (queries) builds no mask, and SDPA
+    only reads it."""
+    heads = spec.num_heads if spec.alibi is not None else 1
+    if length * length * heads <= MASK_CACHE_ELEMENTS:
+        return _kept_mask(spec, length, device)
+    return _dense_mask(spec, length, device)
+
+
+CALL_COST = {"cpu": 1 << 18, "cuda": 1 << 22}
+"""One more SDPA call, in units of ``H * D`` times score cells: what padding may add to a group
+before a separate call is cheaper (a launch on a GPU buys far more arithmetic than on a CPU)."""
+
+
+@dataclass(frozen=True, eq=False)
+class _Group:
+    """Sequences padded to ``length`` and run as one ``[n, L, H, D]`` SDPA call."""
+
+    gather: torch.Tensor
+    """``[n * L]`` int64 rows of the packed input, sequence by sequence; a padded slot repeats
+    its sequence's first row (a key it hides, a query whose output is dropped)."""
+    take: torch.Tensor
+    """``[tokens]`` int64 slots of the group's output holding its valid rows, in ``rows`` order."""
+    rows: torch.Tensor | None
+    """``[tokens]`` int64 output rows those slots fill; None when the group is the whole batch
+    in order."""
+    mask: torch.Tensor
+    """SDPA's ``attn_mask`` over ``[n, H or 1, L, L]``: the spec's mask and the padded keys."""
+    count: int
+    length: int
+
+
 @dataclass(frozen=True, eq=False)
 class SdpaPlan:
-    """The batch's runs, and the explicit mask of each run length when the spec needs one."""
+    """The batch's runs or groups, and the explicit mask of each run length when the spec
+    needs one."""
 
     runs: tuple[_Run, ...]
     masks: dict[int, torch.Tensor]
     """Length -> mask for SDPA's ``attn_mask``; empty when ``is_causal`` says it all. With
     sinks: float32 additive ``[H or 1, L, L]`` for every length (0 visible, -inf hidden)."""
+    groups: tuple[_Group, ...] = ()
+    """When not empty, the batch runs as these groups instead of ``runs``."""
+
+
+def _group_members(lengths: tuple[int, ...], unit: int, call_cost: int) -> list[list[int]]:
+    """Sequence indices by group (`_groups`' rule), longest sequences first."""
+    order = sorted((i for i, n in enumerate(lengths) if n > 0), key=lambda i: -lengths[i])
+    groups: list[list[int]] = []
+    for i in order:
+        if groups:
+            longest = lengths[groups[-1][0]]
+            if (longest * longest - lengths[i] * lengths[i]) * unit <= call_cost:
+                groups[-1].append(i)
+                continue
+        groups.append([i])
+    return groups
+
+
+def _spec_mask(spec: AttentionSpec, length: int, device: torch.device) -> torch.Tensor | None:
+    """The mask of one sequence of ``length`` (`dense_mask`; causal alone as a lower
+    triangle), None when every key is visible."""
+    if spec.window is not None or spec.chunk_size is not None or spec.alibi is not None:
+        return dense_mask(spec, length, device)
+    if spec.causal:
+        return torch.ones(length, length, dtype=torch.bool, device=device).tril()
+    return None
+
+
+def _groups(spec: AttentionSpec, params: FMHAParams) -> tuple[_Group, ...]:
+    lengths = params.input_lengths
+    device = params.device
+    unit = spec.num_heads * spec.head_dim
+    starts = [0]
+    for n in lengths:
+        starts.append(starts[-1] + n)
+    members = _group_members(lengths, unit, CALL_COST.get(device.type, CALL_COST["cuda"]))
+    whole = len(members) == 1
+    groups: list[_Group] = []
+    for group in members:
+        length = lengths[group[0]]
+        gather: list[int] = []
+        take: list[int] = []
+        rows: list[int] = []
+        for slot, i in enumerate(group):
+            n, start = lengths[i], starts[i]
+            gather += [start + j for j in range(n)] + [start] * (length - n)
+            take += range(slot * length, slot * length + n)
+            rows += range(start, start + n)
+        keys = torch.tensor([lengths[i] for i in group], device=device)
+        valid = torch.arange(length, device=device)[None, :] < keys[:, None]  # [n, L]
+        valid = valid[:, None, None, :]
+        spec_mask = _spec_mask(spec, length, device)
+        if spec_mask is None:
+            mask = valid
+        elif spec_mask.dtype == torch.bool:
+            mask = spec_mask & valid
+        else:  # additive (ALiBi): the padded keys get -inf too
+            mask = spec_mask.masked_fill(~valid, float("-inf"))
+        in_order = whole and rows == list(range(len(rows)))
+        if in_order and take == list(range(len(take))):
+            take_t = torch.arange(len(take), device=device)
+        else:
+            take_t = torch.tensor(take, dtype=torch.int64, device=device)
+        groups.append(
+            _Group(
+                torch.tensor(gather, dtype=torch.int64, device=device),
+                take_t,
+                None if in_order else torch.tensor(rows, dtype=torch.int64, device=device),
+                mask,
+                len(group),
+                length,
+            )
+        )
+    return tuple(groups)
 
 
 class TorchSdpaBackend(PrefillBackend):
@@ -84,6 +207,8 @@ class TorchSdpaBackend(PrefillBackend):
 
     def plan_kernel(self, spec: AttentionSpec, params: FMHAParams, *, fused_rope: bool) -> SdpaPlan:
         runs = _runs(params.input_lengths)
+        if len(runs) > 1 and not spec.attention_sinks:
+            return SdpaPlan(runs, {}, _groups(spec, params))
         masks: dict[int, torch.Tensor] = {}
         if spec.attention_sinks:
             for length in sorted({run.length for run in runs}):
@@ -99,6 +224,10 @@ class TorchSdpaBackend(PrefillBackend):
         if not isinstance(kernel, SdpaPlan):
             raise BackendFailure(f"{self.name} got a plan it did not make: {kernel!r}")
         q, k, v = views.q, views.k, views.v
+        if kernel.groups:
+            return _attend_groups(spec, kernel.groups, q, k, v)
+        if len(kernel.runs) == 1 and views.sinks is None:
+            return _attend_whole(spec, kernel.runs[0], kernel.masks, q, k, v)
         out = torch.empty(q.shape, dtype=spec.output_dtype, device=q.device)
         for run in kernel.runs:
             mask = kernel.masks.get(run.length)
@@ -122,6 +251,66 @@ class TorchSdpaBackend(PrefillBackend):
                 )
             out[rows].view(n, length, *out.shape[1:]).copy_(result.transpose(1, 2))
         return out
+
+
+def _attend_whole(
+    spec: AttentionSpec,
+    run: _Run,
+    masks: dict[int, torch.Tensor],
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+) -> torch.Tensor:
+    """A batch of one run (one sequence, or sequences of one length) as one SDPA call on views
+    of the rows, its output made rows by one copy."""
+    n, length = run.count, run.length
+    mask = masks.get(length)
+    result = F.scaled_dot_product_attention(
+        q.view(n, length, *q.shape[1:]).transpose(1, 2),
+        k.view(n, length, *k.shape[1:]).transpose(1, 2),
+        v.view(n, length, *v.shape[1:]).transpose(1, 2),
+        attn_mask=mask,
+        is_causal=spec.causal and mask is None,
+        scale=spec.scale,
+        enable_gqa=spec.is_gqa,
+    )
+    return result.transpose(1, 2).reshape(q.shape).to(spec.output_dtype)
+
+
+def _padded(x: torch.Tensor, group: _Group) -> torch.Tensor:
+    """The group's rows of ``x [T, H, D]`` gathered to ``[n, H, L, D]``."""
+    rows = x.index_select(0, group.gather)
+    return rows.view(group.count, group.length, *x.shape[1:]).transpose(1, 2)
+
+
+def _attend_groups(
+    spec: AttentionSpec,
+    groups: tuple[_Group, ...],
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+) -> torch.Tensor:
+    """Each group as one SDPA call on its gathered rows; the valid rows gathered back."""
+    out: torch.Tensor | None = None
+    for group in groups:
+        n, length = group.count, group.length
+        result = F.scaled_dot_product_attention(
+            _padded(q, group),
+            _padded(k, group),
+            _padded(v, group),
+            attn_mask=group.mask,
+            scale=spec.scale,
+            enable_gqa=spec.is_gqa,
+        )
+        flat = result.transpose(1, 2).reshape(n * length, *q.shape[1:])
+        valid = flat.index_select(0, group.take)
+        if group.rows is None:
+            return valid.to(spec.output_dtype)
+        if out is None:
+            out = torch.empty(q.shape, dtype=spec.output_dtype, device=q.device)
+        out.index_copy_(0, group.rows, valid.to(spec.output_dtype))
+    assert out is not None  # a plan has at least one group
+    return out
 
 
 def _additive_mask(spec: AttentionSpec, length: int, device: torch.device) -> torch.Tensor:

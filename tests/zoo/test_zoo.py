@@ -30,7 +30,7 @@ import torch
 pytest.importorskip("transformers")
 
 import attn_backends as ab
-from attn_backends.integrations import transformers as abt
+from attn_backends.integrations import _hf_call
 from tests.zoo import catalogue, harness, render_table
 
 BF16_SUBSET = (
@@ -125,8 +125,8 @@ def test_every_class_is_in_the_zoo_or_excluded_by_a_rule():
 
 
 def _spec_changed(monkeypatch: pytest.MonkeyPatch, change) -> None:
-    real = abt._spec_for
-    monkeypatch.setattr(abt, "_spec_for", lambda *a, **k: change(real(*a, **k)))
+    real = _hf_call.layer_spec
+    monkeypatch.setattr(_hf_call, "layer_spec", lambda *a, **k: change(real(*a, **k)))
 
 
 def _served_forms(class_name: str) -> list[str]:
