@@ -501,7 +501,19 @@ def workloads(dry: bool, cpu_tiny: bool = False) -> dict[str, list[str]]:
     found = {f"documents 64 x 16..{longest}": texts(64, 16, longest, 0)}
     for n in (1, 8, 32):
         found[f"queries {n} x 8..40"] = texts(n, 8, 40, n)
+    if not cpu_tiny:
+        found["bulk 512 x lognormal 8..512"] = bulk_texts(512, 8, 512, 7)
     return found
+
+
+def bulk_texts(count: int, low: int, high: int, seed: int) -> list[str]:
+    """A bulk embedding job: ``count`` texts whose lengths are lognormal (median 96 tokens,
+    a long tail), clipped to ``low..high``, as a corpus of passages is."""
+    rng = random.Random(seed)
+    lengths = [
+        min(high, max(low, round(rng.lognormvariate(math.log(96), 0.8)))) for _ in range(count)
+    ]
+    return [" ".join(f"w{rng.randrange(VOCAB_WORDS)}" for _ in range(n - 2)) for n in lengths]
 
 
 def _chosen(found: dict[str, list[str]], prefixes: str | None) -> list[tuple[str, list[str]]]:
@@ -525,6 +537,12 @@ def main(argv: list[str] | None = None) -> int:
         action="store_true",
         help="tiny models on CPU with the serving workloads, and the integration's host time "
         "per layer beyond the kernel",
+    )
+    parser.add_argument(
+        "--host-time",
+        action="store_true",
+        help="also profile the integration's host time per layer beyond the kernel on the "
+        "device (always on with --cpu-tiny)",
     )
     parser.add_argument("--device", default=None)
     parser.add_argument(
@@ -558,7 +576,11 @@ def main(argv: list[str] | None = None) -> int:
             for workload, batch in chosen:
                 queries = workload.startswith("queries")
                 for result in run_workload(paths, batch, queries, repeats):
-                    if result.path == "st-packed" and args.cpu_tiny and result.status == "ok":
+                    if (
+                        result.path == "st-packed"
+                        and (args.cpu_tiny or args.host_time)
+                        and result.status == "ok"
+                    ):
                         result.extra["host_us_per_layer"] = host_per_layer(paths, batch)
                     report.append({"model": name, "workload": workload, **asdict(result)})
                     print(_markdown(report[-1:], device).splitlines()[-1], flush=True)
