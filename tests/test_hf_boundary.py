@@ -435,13 +435,30 @@ def test_case6_pack_and_unpack_refuse_bad_arguments():
 
 def test_case7_packed_prefill_with_a_cache_is_refused():
     """With a cache transformers reads restarting position_ids as one sequence continuing;
-    splitting it would compute another attention."""
+    splitting it would compute another attention. pack_sequences asks for no cache, so its
+    batch is served as written, on a config that keeps ``use_cache=True``."""
     model = _qwen3()
     packed = abt.pack_sequences([[5, 6, 7, 8], [9, 10, 11]])
     with pytest.raises(abt.MaskMismatchError, match=r"Qwen3Model.*use_cache=True"):
-        hf.run(model, NAME, **packed, use_cache=True)
-    hidden = hf.run(model, NAME, **packed, use_cache=False)
+        hf.run(model, NAME, **{**packed, "use_cache": True})
+    hidden = hf.run(model, NAME, **packed)
     abt.unpack_hidden(hidden, packed["cu_seq_lens_q"])
+
+
+def test_case7_the_readme_packed_example_serves_a_decoder_that_keeps_its_cache_flag():
+    """The README's three lines on a Qwen3 whose config says ``use_cache=True`` (transformers'
+    default, and Qwen3-Embedding's): each sequence as if alone, exactly."""
+    config = transformers.Qwen3Config(**SMALL, num_key_value_heads=1, head_dim=16)
+    assert config.use_cache
+    torch.manual_seed(0)
+    model = transformers.AutoModel.from_config(config, attn_implementation=NAME).eval()
+    sequences = [[5, 6, 7, 8], [9, 10, 11], [12]]
+    packed = abt.pack_sequences(sequences)
+    with torch.inference_mode():
+        hidden = model(**packed).last_hidden_state
+        alone = [model(input_ids=torch.tensor([s]), use_cache=False)[0][0] for s in sequences]
+    for got, want in zip(abt.unpack_hidden(hidden, packed["cu_seq_lens_q"]), alone, strict=True):
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
 
 
 def test_case7_padded_prefill_with_a_cache_is_served_and_decoding_refused():

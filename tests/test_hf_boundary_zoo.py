@@ -194,7 +194,7 @@ def _lfm3(**extra: Any) -> Any:
 
 def _packed_run(model: Any) -> list[torch.Tensor]:
     packed = abt.pack_sequences(_sequences())
-    hidden = _hidden(model, **packed, use_cache=False)
+    hidden = _hidden(model, **packed)
     return abt.unpack_hidden(hidden, packed["cu_seq_lens_q"])
 
 
@@ -221,7 +221,7 @@ def test_case3_packing_the_mask_hook_cannot_see_is_refused_at_the_first_attentio
     ones = torch.ones_like(packed["input_ids"])
     for extra in ({"attention_mask": ones}, {"position_ids": None}):
         with pytest.raises(IntegrationError, match=r"Lfm3Model \(Lfm3Attention\) is given packed"):
-            _hidden(served, **{**packed, **extra}, use_cache=False)
+            _hidden(served, **{**packed, **extra})
 
 
 def test_case3_qwen3_next_packed_is_a_named_refusal_not_transformers_error():

@@ -37,6 +37,10 @@ class PackedBatch(TypedDict):
     cu_seq_lens_k: torch.Tensor
     max_length_q: int
     max_length_k: int
+    use_cache: bool
+    """False: the prefill needs no cache. A decoder whose config keeps ``use_cache=True``
+    (Qwen3-Embedding's does) would build one, and with a cache transformers reads the packed
+    row as one sequence."""
 
 
 class _Tracked(Generic[_T]):
@@ -128,7 +132,8 @@ def pack_sequences(
     Returns ``input_ids``/``position_ids`` ``[1, T]`` (positions restart at
     ``position_offset`` per sequence: 0 for most models, ``pad_token_id + 1`` for RoBERTa-style
     embeddings), ``cu_seq_lens_q``/``cu_seq_lens_k`` (int32 prefix sums) and
-    ``max_length_q``/``max_length_k``; pass them all as keyword arguments to the model.
+    ``max_length_q``/``max_length_k`` and ``use_cache=False``; pass them all as keyword
+    arguments to the model.
     """
     if isinstance(position_offset, bool) or not isinstance(position_offset, int):
         raise IntegrationError(f"position_offset must be an int, got {position_offset!r}")
@@ -152,6 +157,7 @@ def pack_sequences(
         cu_seq_lens_k=cu,
         max_length_q=max(lengths),
         max_length_k=max(lengths),
+        use_cache=False,
     )
 
 
