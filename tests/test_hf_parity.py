@@ -433,7 +433,8 @@ def _count_prepares(monkeypatch: pytest.MonkeyPatch) -> list[ab.FMHAParams]:
 )
 def test_one_prepare_per_distinct_spec_per_batch(case_id, kinds, monkeypatch):
     """Four layers alternating local and global: one plan per distinct spec per forward, on
-    padded and packed input, whatever the number of layers."""
+    padded and packed input, whatever the number of layers; none for packed boundaries seen
+    before."""
     model, cfg = _build(case_id, torch.float32, layers=4)
     batch = _batch(cfg.pad_token_id if cfg.pad_token_id is not None else 0)
     inputs = {"input_ids": batch.input_ids, "attention_mask": batch.attention_mask}
@@ -442,7 +443,10 @@ def test_one_prepare_per_distinct_spec_per_batch(case_id, kinds, monkeypatch):
     _run(model, NAME, **inputs)
     assert len(prepared) == kinds
     assert all(p.input_lengths == LENGTHS for p in prepared)
+    abt.clear_layout_cache()  # boundaries an earlier test ran keep their plans
     _packed(model, cfg, batch)
+    assert len(prepared) == 2 * kinds
+    _packed(model, cfg, batch)  # the same boundaries again: their layout and plans are kept
     assert len(prepared) == 2 * kinds
 
 

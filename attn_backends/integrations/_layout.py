@@ -72,7 +72,7 @@ def full_rows(batch: int, seq: int, device: torch.device) -> BatchLayout:
     """Each of the ``batch`` rows is one whole sequence of ``seq`` tokens. The layout depends
     on the shape alone, so it is made once and shared by every batch, model and thread of that
     shape, with the plans prepared on it (``plans``: read and written under a lock, see
-    `prepared_plan`); ``full_rows.cache_clear()`` drops them."""
+    `prepared_plan`); `clear_layouts` drops them."""
     return _layout([seq] * batch, batch, seq, device, None)
 
 
@@ -152,10 +152,26 @@ def from_cu_seqlens(cu_seqlens: torch.Tensor, batch: int, seq: int) -> BatchLayo
             f"cu_seq_lens must start at 0 and end at the packed length {seq}; got {bounds[:4]}"
             f"{'...' if len(bounds) > 4 else ''} ending at {bounds[-1] if bounds else None}"
         )
-    pairs = list(itertools.pairwise(bounds))
-    if any(b < a for a, b in pairs):
+    if any(b < a for a, b in itertools.pairwise(bounds)):
         raise IntegrationError("cu_seq_lens must be non-decreasing prefix sums of the lengths")
-    return _packed(pairs, batch, seq, cu_seqlens.device)
+    return _packed_bounds(tuple(bounds), batch, seq, cu_seqlens.device)
+
+
+@functools.lru_cache(maxsize=64)
+def _packed_bounds(
+    bounds: tuple[int, ...], batch: int, seq: int, device: torch.device
+) -> BatchLayout:
+    """The layout of checked prefix sums: a value of them, the shape and the device, so it is
+    made once and shared (with its plans, see `full_rows`) by every batch of the same
+    boundaries: the mask kinds of one forward, and a batch of lengths seen before."""
+    return _packed(list(itertools.pairwise(bounds)), batch, seq, device)
+
+
+def clear_layouts() -> None:
+    """Drop the shared layouts (`full_rows`, `from_cu_seqlens`) and the plans prepared on
+    them: they keep their backends, and those backends' memory, alive."""
+    full_rows.cache_clear()
+    _packed_bounds.cache_clear()
 
 
 def from_position_ids(position_ids: torch.Tensor, batch: int, seq: int) -> BatchLayout:

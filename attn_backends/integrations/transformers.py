@@ -51,7 +51,7 @@ from __future__ import annotations
 import functools
 import logging
 import threading
-from collections.abc import Hashable, Mapping
+from collections.abc import Callable, Hashable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -109,9 +109,10 @@ def register(name: str = DEFAULT_NAME, *, backend: str | None = None) -> str:
 
 
 def clear_layout_cache() -> None:
-    """Drop the shared whole-rows layouts and the plans prepared on them (they keep their
-    backends, and those backends' memory, alive past a `reset_registry`)."""
-    _layout.full_rows.cache_clear()
+    """Drop the shared layouts (whole rows, prefix sums seen before) and the plans prepared on
+    them (they keep their backends, and those backends' memory, alive past a
+    `reset_registry`)."""
+    _layout.clear_layouts()
 
 
 def padding_mask(
@@ -236,21 +237,22 @@ def _packed_mixers_message(model: str, mixers: tuple[str, ...]) -> str:
 
 
 def _packed_source(
-    batch: int, seq: int, kwargs: Mapping[str, Any], *, positions_pack: bool
+    batch: int, seq: int, kwargs: Mapping[str, Any], *, positions_pack: Callable[[], bool]
 ) -> tuple[str, torch.Tensor] | None:
     """The kwarg that packs several sequences into a row: ``cu_seq_lens_q``, else, where
-    transformers itself reads them so (``positions_pack``, `_positions_pack`), 2-D
-    ``position_ids`` (they split a row where they stop counting up by one)."""
+    transformers itself reads them so (``positions_pack()``, `_positions_pack`, asked only when
+    there are no prefix sums), 2-D ``position_ids`` (they split a row where they stop counting
+    up by one)."""
     cu = kwargs.get("cu_seq_lens_q")
     if isinstance(cu, torch.Tensor):
         return "cu_seqlens", cu
     positions = kwargs.get("position_ids")
     if (
-        positions_pack
-        and isinstance(positions, torch.Tensor)
+        isinstance(positions, torch.Tensor)
         and positions.dim() == 2
         and positions.shape[-1] == seq
         and positions.shape[0] in (1, batch)
+        and positions_pack()
     ):
         return "positions", positions
     return None
@@ -284,7 +286,7 @@ def _hooked_layout(
             f"{request.length} tokens but the layer attends {batch} x {seq}; attn_backends "
             "serves self-attention over the whole batch only"
         )
-    packed = _packed_source(batch, seq, kwargs, positions_pack=_positions_pack(request))
+    packed = _packed_source(batch, seq, kwargs, positions_pack=lambda: _positions_pack(request))
     if packed is not None and request.padding is None:
         kind, source = packed
         key: Hashable = (kind, id(source))
@@ -326,7 +328,7 @@ def _unhooked_layout(
     hook nothing marks where a forward starts, so a packed layout is derived per call from the
     kwargs' content (an inference tensor rewritten in place keeps no version to tell)."""
     # no mask function to consult: position_ids pack as transformers' flash path reads them
-    packed = _packed_source(batch, seq, kwargs, positions_pack=True)
+    packed = _packed_source(batch, seq, kwargs, positions_pack=lambda: True)
     if packed is not None:
         kind, source = packed
         layout = _packed_layout(kind, source, batch, seq, kwargs)
@@ -505,7 +507,7 @@ def _resolve(
     served = None
     if request is not None and request.padding is None and layout.segments:
         # the source `_hooked_layout` marked for this call, marked again by each later one
-        found = _packed_source(batch, seq, kwargs, positions_pack=_positions_pack(request))
+        found = _packed_source(batch, seq, kwargs, positions_pack=lambda: _positions_pack(request))
         served = found[1] if found is not None else None
     sources = (
         kwargs.get("cu_seq_lens_q"),

@@ -100,12 +100,7 @@ class _Group:
 
     gather: torch.Tensor
     """``[n * L]`` int64 rows of the packed input, sequence by sequence; a padded slot repeats
-    its sequence's first row (a key it hides, a query whose output is dropped)."""
-    take: torch.Tensor
-    """``[tokens]`` int64 slots of the group's output holding its valid rows, in ``rows`` order."""
-    rows: torch.Tensor | None
-    """``[tokens]`` int64 output rows those slots fill; None when the group is the whole batch
-    in order."""
+    its sequence's last row (a key it hides, a query whose output is dropped)."""
     mask: torch.Tensor
     """SDPA's ``attn_mask`` over ``[n, H or 1, L, L]``: the spec's mask and the padded keys."""
     count: int
@@ -123,6 +118,9 @@ class SdpaPlan:
     sinks: float32 additive ``[H or 1, L, L]`` for every length (0 visible, -inf hidden)."""
     groups: tuple[_Group, ...] = ()
     """When not empty, the batch runs as these groups instead of ``runs``."""
+    take: torch.Tensor | None = None
+    """``[tokens]`` int64: where each packed row's output lies in the groups' outputs laid
+    end to end (set with ``groups``)."""
 
 
 def _group_members(lengths: tuple[int, ...], unit: int, call_cost: int) -> list[list[int]]:
@@ -149,7 +147,9 @@ def _spec_mask(spec: AttentionSpec, length: int, device: torch.device) -> torch.
     return None
 
 
-def _groups(spec: AttentionSpec, params: FMHAParams) -> tuple[_Group, ...]:
+def _groups(spec: AttentionSpec, params: FMHAParams) -> tuple[tuple[_Group, ...], torch.Tensor]:
+    """The batch's groups, and where each packed row's output lands in their outputs laid
+    end to end; a few tensor ops per group, none per token."""
     lengths = params.input_lengths
     device = params.device
     unit = spec.num_heads * spec.head_dim
@@ -157,21 +157,19 @@ def _groups(spec: AttentionSpec, params: FMHAParams) -> tuple[_Group, ...]:
     for n in lengths:
         starts.append(starts[-1] + n)
     members = _group_members(lengths, unit, CALL_COST.get(device.type, CALL_COST["cuda"]))
-    whole = len(members) == 1
+    base = [0] * len(lengths)  # each sequence's first slot in the outputs laid end to end
     groups: list[_Group] = []
+    offset = 0
     for group in members:
         length = lengths[group[0]]
-        gather: list[int] = []
-        take: list[int] = []
-        rows: list[int] = []
         for slot, i in enumerate(group):
-            n, start = lengths[i], starts[i]
-            gather += [start + j for j in range(n)] + [start] * (length - n)
-            take += range(slot * length, slot * length + n)
-            rows += range(start, start + n)
-        keys = torch.tensor([lengths[i] for i in group], device=device)
-        valid = torch.arange(length, device=device)[None, :] < keys[:, None]  # [n, L]
-        valid = valid[:, None, None, :]
+            base[i] = offset + slot * length
+        offset += len(group) * length
+        first = torch.tensor([starts[i] for i in group], device=device)
+        size = torch.tensor([lengths[i] for i in group], device=device)
+        steps = torch.arange(length, device=device)
+        gather = first[:, None] + torch.minimum(steps[None, :], size[:, None] - 1)
+        valid = (steps[None, :] < size[:, None])[:, None, None, :]  # the padded keys hidden
         spec_mask = _spec_mask(spec, length, device)
         if spec_mask is None:
             mask = valid
@@ -179,22 +177,11 @@ def _groups(spec: AttentionSpec, params: FMHAParams) -> tuple[_Group, ...]:
             mask = spec_mask & valid
         else:  # additive (ALiBi): the padded keys get -inf too
             mask = spec_mask.masked_fill(~valid, float("-inf"))
-        in_order = whole and rows == list(range(len(rows)))
-        if in_order and take == list(range(len(take))):
-            take_t = torch.arange(len(take), device=device)
-        else:
-            take_t = torch.tensor(take, dtype=torch.int64, device=device)
-        groups.append(
-            _Group(
-                torch.tensor(gather, dtype=torch.int64, device=device),
-                take_t,
-                None if in_order else torch.tensor(rows, dtype=torch.int64, device=device),
-                mask,
-                len(group),
-                length,
-            )
-        )
-    return tuple(groups)
+        groups.append(_Group(gather.reshape(-1), mask, len(group), length))
+    counts = torch.tensor(lengths, device=device)
+    bases = torch.tensor(base, device=device)
+    take = bases.repeat_interleave(counts, output_size=params.token_q_num)
+    return tuple(groups), take + params.positions.to(torch.int64)
 
 
 class TorchSdpaBackend(PrefillBackend):
@@ -208,7 +195,8 @@ class TorchSdpaBackend(PrefillBackend):
     def plan_kernel(self, spec: AttentionSpec, params: FMHAParams, *, fused_rope: bool) -> SdpaPlan:
         runs = _runs(params.input_lengths)
         if len(runs) > 1 and not spec.attention_sinks:
-            return SdpaPlan(runs, {}, _groups(spec, params))
+            groups, take = _groups(spec, params)
+            return SdpaPlan(runs, {}, groups, take)
         masks: dict[int, torch.Tensor] = {}
         if spec.attention_sinks:
             for length in sorted({run.length for run in runs}):
@@ -224,8 +212,8 @@ class TorchSdpaBackend(PrefillBackend):
         if not isinstance(kernel, SdpaPlan):
             raise BackendFailure(f"{self.name} got a plan it did not make: {kernel!r}")
         q, k, v = views.q, views.k, views.v
-        if kernel.groups:
-            return _attend_groups(spec, kernel.groups, q, k, v)
+        if kernel.groups and kernel.take is not None:
+            return _attend_groups(spec, kernel.groups, kernel.take, q, k, v)
         if len(kernel.runs) == 1 and views.sinks is None:
             return _attend_whole(spec, kernel.runs[0], kernel.masks, q, k, v)
         out = torch.empty(q.shape, dtype=spec.output_dtype, device=q.device)
@@ -286,14 +274,14 @@ def _padded(x: torch.Tensor, group: _Group) -> torch.Tensor:
 def _attend_groups(
     spec: AttentionSpec,
     groups: tuple[_Group, ...],
+    take: torch.Tensor,
     q: torch.Tensor,
     k: torch.Tensor,
     v: torch.Tensor,
 ) -> torch.Tensor:
-    """Each group as one SDPA call on its gathered rows; the valid rows gathered back."""
-    out: torch.Tensor | None = None
+    """Each group as one SDPA call on its gathered rows; the valid rows taken back in order."""
+    outputs = []
     for group in groups:
-        n, length = group.count, group.length
         result = F.scaled_dot_product_attention(
             _padded(q, group),
             _padded(k, group),
@@ -302,15 +290,9 @@ def _attend_groups(
             scale=spec.scale,
             enable_gqa=spec.is_gqa,
         )
-        flat = result.transpose(1, 2).reshape(n * length, *q.shape[1:])
-        valid = flat.index_select(0, group.take)
-        if group.rows is None:
-            return valid.to(spec.output_dtype)
-        if out is None:
-            out = torch.empty(q.shape, dtype=spec.output_dtype, device=q.device)
-        out.index_copy_(0, group.rows, valid.to(spec.output_dtype))
-    assert out is not None  # a plan has at least one group
-    return out
+        outputs.append(result.transpose(1, 2).reshape(group.count * group.length, *q.shape[1:]))
+    flat = outputs[0] if len(outputs) == 1 else torch.cat(outputs)
+    return flat.index_select(0, take).to(spec.output_dtype)
 
 
 def _additive_mask(spec: AttentionSpec, length: int, device: torch.device) -> torch.Tensor:
