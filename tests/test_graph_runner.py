@@ -273,11 +273,9 @@ def test_a_model_switched_to_another_attention_after_wrapping_is_refused():
     runner(ids, cu)  # set back: served again
 
 
-def test_a_first_batch_of_one_sequence_proves_nothing_about_boundaries():
-    """LFM2 mixes tokens in convolutions outside attention: a packed batch of several
-    sequences is refused by the integration. A first batch of one sequence has no boundary, so
-    it must not let the next batch, of two, skip that proof (it was served, mixed)."""
-    config = transformers.Lfm2Config(
+def _lfm2_config():
+    """A conv hybrid: LFM2 mixes tokens in short convolutions outside attention."""
+    return transformers.Lfm2Config(
         vocab_size=VOCAB,
         hidden_size=64,
         intermediate_size=128,
@@ -287,6 +285,13 @@ def test_a_first_batch_of_one_sequence_proves_nothing_about_boundaries():
         layer_types=["conv", "full_attention"],
         use_cache=False,
     )
+
+
+def test_a_first_batch_of_one_sequence_proves_nothing_about_boundaries():
+    """LFM2 mixes tokens in convolutions outside attention: a packed batch of several
+    sequences is refused by the integration. A first batch of one sequence has no boundary, so
+    it must not let the next batch, of two, skip that proof (it was served, mixed)."""
+    config = _lfm2_config()
     torch.manual_seed(0)
     model = transformers.AutoModel.from_config(config, attn_implementation=abt.register()).eval()
     runner = GraphRunner(model, [SMALL])
@@ -361,16 +366,7 @@ def test_a_bidirectional_layer_that_declares_no_flag_takes_the_proved_one():
 def test_a_model_mixing_tokens_outside_attention_runs_every_batch_through_the_integration():
     """A bucket pads the row, and a convolution would read the padding as tokens: one
     sequence per batch is served by the integration, exactly."""
-    config = transformers.Lfm2Config(
-        vocab_size=VOCAB,
-        hidden_size=64,
-        intermediate_size=128,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        layer_types=["conv", "full_attention"],
-        use_cache=False,
-    )
+    config = _lfm2_config()
     torch.manual_seed(0)
     model = transformers.AutoModel.from_config(config, attn_implementation=abt.register()).eval()
     ref = transformers.AutoModel.from_config(copy.deepcopy(config), attn_implementation="sdpa")

@@ -41,6 +41,7 @@ __all__ = [
     "clear_decisions",
     "decision_epoch",
     "decisions",
+    "feature_key",
     "layer_selection",
     "layer_spec",
     "refuse_unsupported_call",
@@ -125,6 +126,21 @@ def _declared_causal(
     return bool(declared if declared is not None else True)
 
 
+def feature_key(kwargs: Mapping[str, Any]) -> tuple[object, ...] | None:
+    """The call's feature kwargs (window, soft-cap, whether sinks come) as a value; None when
+    one is of a type only the spec builder judges (it raises the named error, every time), so
+    such a call is never kept."""
+    window = kwargs.get("sliding_window")
+    cap = kwargs.get("softcap")
+    if (
+        (window is not None and type(window) is not int)
+        or (cap is not None and type(cap) not in (int, float))
+        or kwargs.get("position_bias") is not None
+    ):
+        return None
+    return (window, cap, kwargs.get("s_aux") is not None)
+
+
 def _spec_key(
     query: torch.Tensor,
     key: torch.Tensor,
@@ -133,28 +149,12 @@ def _spec_key(
     chunk: int | None,
     kwargs: Mapping[str, Any],
 ) -> Hashable | None:
-    """The facts the spec is made of, as a value; None when a kwarg is of a type the spec
-    builder must judge (it raises the named error), so such a call is never kept."""
-    window = kwargs.get("sliding_window")
-    cap = kwargs.get("softcap")
-    if (window is not None and type(window) is not int) or (
-        cap is not None and type(cap) not in (int, float)
-    ):
+    """The facts the spec is made of, as a value (None: build it every time)."""
+    features = feature_key(kwargs)
+    if features is None:
         return None
-    if kwargs.get("position_bias") is not None:
-        return None  # refused by the builder, every time
-    return (
-        query.shape[1],
-        key.shape[1],
-        query.shape[3],
-        query.dtype,
-        scaling if scaling is None else float(scaling),
-        causal,
-        chunk,
-        window,
-        cap,
-        kwargs.get("s_aux") is not None,
-    )
+    heads = (query.shape[1], key.shape[1], query.shape[3], query.dtype)
+    return (*heads, scaling if scaling is None else float(scaling), causal, chunk, *features)
 
 
 def _build_spec(

@@ -455,13 +455,8 @@ def _lane_key(
 ) -> Hashable | None:
     """Everything the resolution of a call reads, as a value (None: resolve it in full; a
     kwarg of a type only the full path judges)."""
-    window = kwargs.get("sliding_window")
-    cap = kwargs.get("softcap")
-    if (
-        (window is not None and type(window) is not int)
-        or (cap is not None and type(cap) not in (int, float))
-        or kwargs.get("position_bias") is not None
-    ):
+    features = _hf_call.feature_key(kwargs)
+    if features is None:
         return None
     return (
         query.shape,
@@ -472,9 +467,7 @@ def _lane_key(
         scaling,
         is_causal,
         getattr(module, "is_causal", None),  # untyped: not every module defines it
-        window,
-        cap,
-        kwargs.get("s_aux") is not None,
+        *features,
         backend,
         id(kwargs.get("cu_seq_lens_q")),
         id(kwargs.get("cu_seq_lens_k")),
