@@ -376,3 +376,29 @@ def test_a_model_mixing_tokens_outside_attention_runs_every_batch_through_the_in
         seqs, ids, cu = _batch((6 + seed,), seed)
         _check(runner(ids, cu), seqs, cu, _reference(ref.eval(), seqs), 1e-5)
     assert (runner.stats.eager, runner.stats.bucketed) == (3, 0)
+
+
+def test_a_model_changed_after_wrapping_is_noticed_and_proved_again():
+    """A captured graph reads the weights it was captured with: a replaced submodule or a
+    parameter moved to new memory drops the buckets, and the next batch is proved through the
+    integration again; the outputs follow the changed model exactly."""
+    model, ref = _models("bert")
+    runner = GraphRunner(model, [SMALL])
+    seqs, ids, cu = _batch((5, 9), 0)
+    runner(ids, cu)
+    runner(ids, cu)
+    assert runner.stats.proved == 1
+    torch.manual_seed(1)
+    replaced = torch.nn.Linear(64, 64)
+    model.encoder.layer[0].attention.self.query = replaced
+    ref.encoder.layer[0].attention.self.query = copy.deepcopy(replaced)
+    _check(runner(ids, cu), seqs, cu, _reference(ref, seqs), 1e-5)
+    assert runner.stats.proved == 2
+    with torch.no_grad():
+        for mine, theirs in zip(model.parameters(), ref.parameters(), strict=True):
+            mine.data = mine.data * 1.5  # new memory, as model.to() or half() would give
+            theirs.data = theirs.data * 1.5
+    _check(runner(ids, cu), seqs, cu, _reference(ref, seqs), 1e-5)
+    assert runner.stats.proved == 3
+    runner(ids, cu)
+    assert runner.stats.proved == 3, "an unchanged model is not proved again"

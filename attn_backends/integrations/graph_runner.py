@@ -35,7 +35,9 @@ passed (`_hf_proof`); each layer call of a bucket computes its spec with the sam
 several sequences), else it is refused by name. Positions a caller gives are checked against
 the batch's boundaries where the model's mask reads packed sequences from them, and a model
 with token mixers outside attention (which would read a bucket's padding rows) runs every
-batch through the integration.
+batch through the integration. A model changed after wrapping (a submodule, parameter or
+buffer registered anew, seen through torch's registration hooks, or a tensor moved to other
+memory by ``model.to``/``half()``) has its buckets dropped, and the next batch is proved again.
 
 While the runner drives a forward, the model's attention and mask functions (registered under
 ``<name>_graphs``, to which the runner switches the model) serve the bucket; at any other time
@@ -46,7 +48,9 @@ from __future__ import annotations
 
 import inspect
 import itertools
+import logging
 import threading
+import weakref
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Literal
@@ -70,6 +74,8 @@ from ._packed import check_served, mark_served
 
 __all__ = ["GraphRunner", "RunnerStats"]
 
+logger = logging.getLogger("attn_backends")
+
 PlanKind = Literal["graph", "eager"]
 
 
@@ -83,6 +89,9 @@ class RunnerStats:
     """Bucketed batches run without a graph (CPU, or the first batch of a bucket)."""
     eager: int = 0
     """Batches no bucket fits, run through the integration."""
+    proved: int = 0
+    """Batches run through the integration first, to prove what the buckets then serve (the
+    first of several sequences, and the first after the model changed)."""
     buckets: list[GraphBucket | None] = field(default_factory=list)
     """The bucket of every batch, in order (None: eager)."""
 
@@ -104,6 +113,35 @@ class _BucketState:
     lengths: tuple[int, ...] = ()
     graph: torch.cuda.CUDAGraph | None = None
     output: torch.Tensor | None = None
+
+
+_watched: weakref.WeakKeyDictionary[torch.nn.Module, weakref.WeakSet[GraphRunner]] = (
+    weakref.WeakKeyDictionary()
+)
+"""Each module of a wrapped model -> the runners that prepared it."""
+_hooks_lock = threading.Lock()
+_hooks_installed = False
+
+
+def _registered_under(module: torch.nn.Module, name: str, value: object) -> None:
+    """torch's registration hooks: a watched module gained or replaced a child, a parameter
+    or a buffer, so the runners that prepared it are stale."""
+    for runner in list(_watched.get(module, ())):
+        runner._tree_changed = True
+
+
+def _install_registration_hooks() -> None:
+    """Install the three global registration hooks once per process."""
+    global _hooks_installed
+    with _hooks_lock:
+        if _hooks_installed:
+            return
+        from torch.nn.modules import module as torch_module
+
+        torch_module.register_module_module_registration_hook(_registered_under)
+        torch_module.register_module_parameter_registration_hook(_registered_under)
+        torch_module.register_module_buffer_registration_hook(_registered_under)
+        _hooks_installed = True
 
 
 class _Active(threading.local):
@@ -232,6 +270,12 @@ class GraphRunner:
         """Serializes calls: a bucket's input buffers, plans and graph are one batch's at a
         time (two threads on one runner wrote each other's buffers)."""
         self.attn_implementation = self._switch_attention(model)
+        self._tree_changed = False
+        """Set by the module registration hooks (`_watch`) when a module of the model gains or
+        replaces a submodule, parameter or buffer."""
+        self._tensors: list[torch.Tensor] = []
+        self._addresses: tuple[int, ...] = ()
+        self._watch()
 
     @staticmethod
     def _switch_attention(model: Any) -> str:
@@ -283,6 +327,8 @@ class GraphRunner:
         restarting at ``position_offset``). Calls from several threads run one at a time."""
         _registered.require_still(self.model, self.attn_implementation, "GraphRunner")
         with self._lock:
+            if self._tree_changed or self._moved():
+                self._forget("the model changed after the runner prepared it")
             return self._call(input_ids, cu_seq_lens, position_ids)
 
     def _call(
@@ -324,6 +370,8 @@ class GraphRunner:
             # as tokens: every batch runs through the integration (which refuses packed rows
             # of several sequences for it, and serves one sequence exactly)
             hidden = self._eager(input_ids, position_ids, bounds)
+            if not self._checked and bucket is not None and not mixers:
+                self.stats.proved += 1
             # a batch of one sequence has no boundary to prove: the model's keeping sequences
             # apart (and the integration's refusals of models that mix them) is proved by the
             # first batch of several, which runs through the integration like this one
@@ -348,6 +396,30 @@ class GraphRunner:
         return hidden
 
     # -- internals --------------------------------------------------------------------------
+
+    def _watch(self) -> None:
+        """Remember what the runner's graphs and plans read of the model: its module tree
+        (watched through torch's registration hooks) and its tensors' storage."""
+        _install_registration_hooks()
+        for module in self.model.modules():
+            _watched.setdefault(module, weakref.WeakSet()).add(self)
+        self._tensors = [*self.model.parameters(), *self.model.buffers()]
+        self._addresses = tuple(t.data_ptr() for t in self._tensors)
+        self._tree_changed = False
+
+    def _moved(self) -> bool:
+        """Whether a tensor of the model now lives elsewhere (``model.to``, ``half()``,
+        ``p.data = ...``): a captured graph would read the old memory."""
+        return tuple(t.data_ptr() for t in self._tensors) != self._addresses
+
+    def _forget(self, why: str) -> None:
+        """Drop every bucket (graphs, plans, buffers) and the proofs the runner relied on: the
+        next batch runs through the integration again and is proved anew."""
+        logger.info("GraphRunner: %s; its buckets are dropped and re-proved", why)
+        self._states.clear()
+        self._checked = False
+        self._proofs = frozenset()
+        self._watch()
 
     def _check_positions(self, position_ids: torch.Tensor, bounds: list[int]) -> None:
         """A caller's positions must describe the batch's sequences where the model's mask
