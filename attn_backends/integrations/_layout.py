@@ -157,13 +157,14 @@ def from_cu_seqlens(cu_seqlens: torch.Tensor, batch: int, seq: int) -> BatchLayo
     return _packed_bounds(tuple(bounds), batch, seq, cu_seqlens.device)
 
 
-@functools.lru_cache(maxsize=64)
+@functools.lru_cache(maxsize=16)
 def _packed_bounds(
     bounds: tuple[int, ...], batch: int, seq: int, device: torch.device
 ) -> BatchLayout:
     """The layout of checked prefix sums: a value of them, the shape and the device, so it is
     made once and shared (with its plans, see `full_rows`) by every batch of the same
-    boundaries: the mask kinds of one forward, and a batch of lengths seen before."""
+    boundaries: the mask kinds of one forward, and a batch of lengths seen before. Few are
+    kept: each holds its plans (a flashinfer plan its leased wrapper) until dropped."""
     return _packed(list(itertools.pairwise(bounds)), batch, seq, device)
 
 

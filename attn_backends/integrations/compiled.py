@@ -31,6 +31,7 @@ from __future__ import annotations
 import contextlib
 import itertools
 import threading
+import weakref
 from collections.abc import Iterator, Mapping, Sequence
 from typing import Any
 
@@ -46,8 +47,9 @@ from ._packed import check_served
 
 __all__ = ["CompileReady", "compile_ready"]
 
-_CHECKED = "_attn_backends_checks_batches"
-"""Set on a model once `compile_ready` registered its input check (`_checked_inputs`)."""
+_checked_models: weakref.WeakSet[torch.nn.Module] = weakref.WeakSet()
+"""The models `compile_ready` registered its input check (`_checked_inputs`) on."""
+_checked_lock = threading.Lock()
 _HANDLE = "_attn_backends_handle"
 """The attribute holding an attention module's handle: an int that dynamo reads as a
 constant of the graph."""
@@ -329,9 +331,10 @@ def compile_ready(
             compiled_name, _mask(AttentionMaskInterface._global_mapping[name])
         )
         model.set_attn_implementation(compiled_name)  # type: ignore[operator]
-    if not getattr(model, _CHECKED, False):  # one pre-hook per model, however often prepared
-        model.register_forward_pre_hook(_checked_inputs, with_kwargs=True)
-        setattr(model, _CHECKED, True)
+    with _checked_lock:
+        if model not in _checked_models:  # one pre-hook per model, however often prepared
+            model.register_forward_pre_hook(_checked_inputs, with_kwargs=True)
+            _checked_models.add(model)
     cu = cu_seq_lens.to(device=ready.device, dtype=torch.int32)
     if position_ids is None:
         bounds = cu.tolist()
