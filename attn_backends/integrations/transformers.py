@@ -3,9 +3,11 @@
 ``register()`` adds an attention function (and a matching mask function) to transformers'
 registries; a model loaded with ``attn_implementation="attn_backends"`` then calls it in every
 layer with Q/K/V ``[B, H, S, D]``, already rotated by the model. The function builds an
-`AttentionSpec` from the call (``rope=None``: nothing left to rotate), asks `select` for a
-backend once per spec and forward, prepares one plan per batch, backend and spec for all
-layers, and runs the backend on ``[tokens, H, D]`` views.
+`AttentionSpec` from the call (``rope=None``: nothing left to rotate) and takes a backend for
+it (`_hf_call`: both kept on the attention module, the selection while the `decision_epoch`
+holds), prepares one plan per layout, backend and spec for all layers, and runs the backend on
+``[tokens, H, D]`` views. The first call of each class in a forward resolves it; the layers
+after it that make the same call reuse that resolution (`_Lane`).
 
 The rule: the model computes exactly its own attention, or the call raises a named error
 (`IntegrationError`, `FeatureNotSupportedError`, `MaskMismatchError`) that names the model,
@@ -22,8 +24,10 @@ what it asked for and what to do instead. To keep it:
   attention (``config.layer_types``), and at `unpack_hidden` when fewer attention calls
   than the model's attention layers read them; padded batches are refused for models whose
   mixers read padded positions;
-- the hook records the model's ``mask_function``; the attention function evaluates it once
-  per batch and compares it with what the spec computes over the batch's layout (`_hf_mask`);
+- the hook records the model's ``mask_function``; the attention function evaluates it and
+  compares it with what the spec computes over the batch's layout (`_hf_mask`), once per
+  batch, or once per class of batch where the function is one the library proves as a value
+  (`_hf_proof`);
 - 4-D masks are read by content, never by identity; `unpack_hidden` refuses packed
   boundaries that no attention layer read.
 
