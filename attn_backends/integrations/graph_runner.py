@@ -375,7 +375,8 @@ class GraphRunner:
             # a batch of one sequence has no boundary to prove: the model's keeping sequences
             # apart (and the integration's refusals of models that mix them) is proved by the
             # first batch of several, which runs through the integration like this one
-            self._proofs = _hf_proof.model_proofs(self.model)
+            if not self._checked and not mixers:  # what the buckets may serve, until proved
+                self._proofs = _hf_proof.model_proofs(self.model)
             self._checked = self._checked or len(lengths) > 1
             if bucket is None or mixers:
                 self.stats.eager += 1
@@ -439,7 +440,7 @@ class GraphRunner:
             )
 
     def _proved_causal(self) -> bool | None:
-        """The causal flag every packed proof agrees on (None: none, or they differ)."""
+        """The causal flag every kept proof agrees on (None: none, or they differ)."""
         found = {proof.causal for proof in self._proofs}
         return found.pop() if len(found) == 1 else None
 

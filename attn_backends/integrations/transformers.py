@@ -281,9 +281,10 @@ def _positions_pack(request: MaskRequest) -> bool:
 
 def _hooked_layout(
     request: MaskRequest, batch: int, seq: int, kwargs: Mapping[str, Any], layer: str
-) -> BatchLayout:
+) -> tuple[BatchLayout, torch.Tensor | None]:
     """The layout of a batch whose mask came from the hook: packed by the kwargs when the
-    batch has no padding, else the padding's rows; once per forward and source."""
+    batch has no padding, else the padding's rows; once per forward and source. With it the
+    packed source this call marked as served (None for rows)."""
     if (batch, seq) != (request.batch, request.length):
         raise IntegrationError(
             f"{request.model} ({layer}): the mask was built for {request.batch} x "
@@ -311,7 +312,8 @@ def _hooked_layout(
                 newest=_hf_mask.newest_serial(),
                 expected=request.attention_layers,
             )
-        return entry[1]
+            return entry[1], source
+        return entry[1], None
     entry = request.layouts.get("rows")
     if entry is None:
         rows = (
@@ -321,7 +323,7 @@ def _hooked_layout(
         )
         entry = (None, rows)
         request.layouts["rows"] = entry
-    return entry[1]
+    return entry[1], None
 
 
 def _unhooked_layout(
@@ -351,11 +353,12 @@ def _batch_layout(
     device: torch.device,
     spec: AttentionSpec,
     kwargs: Mapping[str, Any],
-) -> BatchLayout:
-    """The batch's layout, checked against the model's own mask wherever there is one."""
+) -> tuple[BatchLayout, torch.Tensor | None]:
+    """The batch's layout, checked against the model's own mask wherever there is one, and
+    the packed source a hooked call marked as served (`_hooked_layout`)."""
     layer = type(module).__name__
     if request is not None:
-        layout = _hooked_layout(request, batch, seq, kwargs, layer)
+        layout, served = _hooked_layout(request, batch, seq, kwargs, layer)
         verdict = (id(layout), spec.causal, spec.window, spec.chunk_size)
         if request.evaluate is not None and verdict not in request.checked:
             proof = _hf_proof.mask_proof(request, layout, spec)
@@ -371,9 +374,9 @@ def _batch_layout(
                 if proof is not None:
                     _hf_proof.remember(module, proof)
             request.checked.add(verdict)
-        return layout
+        return layout, served
     if attention_mask is None:
-        return _unhooked_layout(batch, seq, device, kwargs)
+        return _unhooked_layout(batch, seq, device, kwargs), None
     if attention_mask.dim() == 4:
         if (
             attention_mask.shape[-1] != seq
@@ -388,7 +391,7 @@ def _batch_layout(
             raise IntegrationError(
                 f"{layer}: a 4-D attention mask together with cu_seq_lens; pass one of them"
             )
-        return _hf_mask.layout_of_4d(attention_mask, spec, model_name=layer, layer=layer)
+        return _hf_mask.layout_of_4d(attention_mask, spec, model_name=layer, layer=layer), None
     raise IntegrationError(
         f"{layer} received a {attention_mask.dim()}-D attention mask of shape "
         f"{tuple(attention_mask.shape)} that transformers' mask functions did not build, so "
@@ -496,16 +499,13 @@ def _resolve(
         module, query, key, scaling, is_causal, kwargs, request, attention_mask
     )
     batch, _, seq, _ = query.shape
-    layout = _batch_layout(module, attention_mask, request, batch, seq, query.device, spec, kwargs)
+    layout, served = _batch_layout(
+        module, attention_mask, request, batch, seq, query.device, spec, kwargs
+    )
     selection = _hf_call.layer_selection(
         module, spec, query.device, backend, epoch=request.epoch if request is not None else None
     )
     plan = _plan_for(layout, selection, spec)
-    served = None
-    if request is not None and request.padding is None and layout.segments:
-        # the source `_hooked_layout` marked for this call, marked again by each later one
-        found = _packed_source(batch, seq, kwargs, positions_pack=lambda: _positions_pack(request))
-        served = found[1] if found is not None else None
     sources = (
         kwargs.get("cu_seq_lens_q"),
         kwargs.get("cu_seq_lens_k"),
