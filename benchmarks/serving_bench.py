@@ -20,7 +20,8 @@ Paths, each checked against the first before it is timed (min cosine of the embe
 
 Per path: tokens/s (valid tokens over the median batch latency) and p50/p99 latency per batch
 (one ``encode`` call of the whole workload, with sentence-transformers' default batch size of
-`ST_BATCH`: it sorts the texts by length and pads each batch to its longest), and each path's
+`ST_BATCH` unless ``--batch-size`` says otherwise: it sorts the texts by length and pads each
+batch to its longest), and each path's
 time over ``st-padded-sdpa``'s (below 1: faster than what a user runs today). ``--dry`` runs tiny
 models on short texts in seconds on CPU. ``--cpu-tiny`` runs the tiny models on CPU with the
 serving workloads (1, 8 and 32 queries, 64 documents of 16..64 tokens) and profiles the
@@ -239,13 +240,22 @@ def _percentile(values: list[float], q: float) -> float:
 class Paths:
     """The paths of one model, built once and reused by every workload."""
 
-    def __init__(self, st_dir: Path, case: ModelCase, device: torch.device, dry: bool) -> None:
+    def __init__(
+        self,
+        st_dir: Path,
+        case: ModelCase,
+        device: torch.device,
+        dry: bool,
+        batch_size: int = ST_BATCH,
+    ) -> None:
         from sentence_transformers import SentenceTransformer
 
         from attn_backends.integrations import sentence_transformers as abst
 
         self.device = device
         self.case = case
+        self.batch_size = batch_size
+        """Texts per sentence-transformers batch (``encode(batch_size=...)``) on every path."""
         kw: dict[str, Any] = {"device": str(device)}
         dtype = torch.float32 if device.type == "cpu" else torch.bfloat16
         self.dtype = dtype
@@ -292,6 +302,11 @@ class Paths:
         """sentence-transformers' tokenisation (flattened) and pooling around the runner."""
         model = self.packed
         features = model[0].preprocess(batch)
+        if "cu_seq_lens_q" not in features:  # one text is tokenised unflattened: one whole row
+            tokens = int(features["input_ids"].shape[1])
+            offset = model[0]._flatten_position_offset
+            features["cu_seq_lens_q"] = torch.tensor([0, tokens], dtype=torch.int32)
+            features["position_ids"] = torch.arange(offset, offset + tokens)[None]
         hidden = self.runner()(
             features["input_ids"].to(self.device),
             features["cu_seq_lens_q"].tolist(),
@@ -307,13 +322,13 @@ class Paths:
 
     def encode_compiled(self, batch: list[str]) -> torch.Tensor:
         """HF sdpa under ``torch.compile(mode="reduce-overhead")``, on the batches
-        sentence-transformers would build (longest first, `ST_BATCH` texts each), each padded
+        sentence-transformers would build (longest first, ``batch_size`` texts each), each padded
         to a bucket; embeddings in the texts' order."""
         tokens: list[list[int]] = self.padded.tokenizer(batch, truncation=True)["input_ids"]
         order = sorted(range(len(batch)), key=lambda i: -len(tokens[i]))
         out: list[torch.Tensor] = [torch.empty(0)] * len(batch)
-        for start in range(0, len(order), ST_BATCH):
-            chunk = order[start : start + ST_BATCH]
+        for start in range(0, len(order), self.batch_size):
+            chunk = order[start : start + self.batch_size]
             for i, row in zip(chunk, self._encode_bucket([tokens[i] for i in chunk]), strict=True):
                 out[i] = row
         return torch.stack(out)
@@ -396,7 +411,7 @@ def host_per_layer(paths: Paths, batch: list[str], encodes: int = 10) -> dict[st
 
     model = paths.packed
     name = model[0].model.config._attn_implementation  # what runs now (a runner may switch it)
-    model.encode(batch, batch_size=ST_BATCH, convert_to_tensor=True)
+    model.encode(batch, batch_size=paths.batch_size, convert_to_tensor=True)
     backend_class = type(decisions()[-1].backend)
     hook: list[float] = []
     mask: list[float] = []
@@ -410,7 +425,7 @@ def host_per_layer(paths: Paths, batch: list[str], encodes: int = 10) -> dict[st
         with _timed(backend_class, "forward", forward), _timed(backend_class, "attend", kernel):
             for _ in range(encodes):
                 clear_layout_cache()  # as the timed st-packed runs: new boundaries each batch
-                model.encode(batch, batch_size=ST_BATCH, convert_to_tensor=True)
+                model.encode(batch, batch_size=paths.batch_size, convert_to_tensor=True)
     finally:
         attention[name], masks[name] = original_attention, original_mask
     calls = max(1, len(hook))
@@ -432,7 +447,7 @@ def run_workload(
     device = paths.device
 
     def st(model: Any) -> Callable[[], torch.Tensor]:
-        return lambda: model.encode(batch, batch_size=ST_BATCH, convert_to_tensor=True)
+        return lambda: model.encode(batch, batch_size=paths.batch_size, convert_to_tensor=True)
 
     def fresh(model: Any) -> Callable[[], torch.Tensor]:
         """The packed path as a serving batch of new lengths meets it: the shared layouts
@@ -441,7 +456,7 @@ def run_workload(
 
         def encode() -> torch.Tensor:
             clear_layout_cache()
-            return model.encode(batch, batch_size=ST_BATCH, convert_to_tensor=True)
+            return model.encode(batch, batch_size=paths.batch_size, convert_to_tensor=True)
 
         return encode
 
@@ -560,12 +575,21 @@ def main(argv: list[str] | None = None) -> int:
     )
     parser.add_argument("--device", default=None)
     parser.add_argument(
+        "--batch-size",
+        type=int,
+        default=ST_BATCH,
+        help=f"texts per sentence-transformers batch on every path (default {ST_BATCH}, "
+        "sentence-transformers' own default)",
+    )
+    parser.add_argument(
         "--workloads",
         default=None,
         help="comma-separated name prefixes, run in this order (e.g. 'queries 8,documents'); "
         "default: every workload",
     )
     args = parser.parse_args(argv)
+    if args.batch_size < 1:
+        parser.error(f"--batch-size must be at least 1, got {args.batch_size}")
     tiny = args.dry or args.cpu_tiny
     device = torch.device(
         "cpu"
@@ -586,7 +610,7 @@ def main(argv: list[str] | None = None) -> int:
     with tempfile.TemporaryDirectory() as tmp:
         for name in names:
             st_dir = build_model(name, cases[name], Path(tmp), tiny, 64 if tiny else 8192)
-            paths = Paths(st_dir, cases[name], device, tiny)
+            paths = Paths(st_dir, cases[name], device, tiny, args.batch_size)
             for workload, batch in chosen:
                 queries = workload.startswith("queries")
                 for result in run_workload(paths, batch, queries, repeats):
@@ -596,7 +620,14 @@ def main(argv: list[str] | None = None) -> int:
                         and result.status == "ok"
                     ):
                         result.extra["host_us_per_layer"] = host_per_layer(paths, batch)
-                    report.append({"model": name, "workload": workload, **asdict(result)})
+                    report.append(
+                        {
+                            "model": name,
+                            "workload": workload,
+                            "batch_size": args.batch_size,
+                            **asdict(result),
+                        }
+                    )
                     print(_markdown(report[-1:], device).splitlines()[-1], flush=True)
                     _write(args.out, report, device)  # a run cut short keeps what it measured
     print(_write(args.out, report, device))
@@ -614,8 +645,10 @@ def _write(out: Path | None, report: list[dict[str, Any]], device: torch.device)
 
 
 def _markdown(report: list[dict[str, Any]], device: torch.device) -> str:
+    sizes = sorted({int(r.get("batch_size", ST_BATCH)) for r in report}) or [ST_BATCH]
     lines = [
-        f"device: {torch.cuda.get_device_name(device) if device.type == 'cuda' else 'cpu'}",
+        f"device: {torch.cuda.get_device_name(device) if device.type == 'cuda' else 'cpu'}; "
+        f"sentence-transformers batch size {', '.join(map(str, sizes))}",
         "",
         "| model | workload | path | tokens (valid/padded) | tokens/s | p50 ms | p99 ms "
         "| time / st-padded-sdpa | min cos | status |",

@@ -348,10 +348,10 @@ def test_case4_a_4d_mask_that_hides_a_real_token_from_itself_is_refused():
     ids=["restarting", "all-zero"],
 )
 def test_case6_position_ids_pack_only_where_transformers_reads_them_so(mask, positions):
-    """Restarting position_ids split a row only inside transformers' causal mask functions,
-    and only without a 2-D mask. BERT (a bidirectional mask) never packs by them, with or
-    without a mask; a causal model given an explicit mask does not either. Each computes the
-    model's own attention over the whole row."""
+    """Restarting position_ids split a row only where transformers' own mask reads them so,
+    and only without a 2-D mask: BERT's bidirectional mask packs by them from transformers
+    5.25 on (before, it spans the whole row), never with a mask; a causal model given an
+    explicit mask does not pack either. Each computes the model's own attention."""
     position_ids = torch.tensor([positions])
     ids = _ids(1, 12, seed=9)
     extra = {"attention_mask": torch.ones(1, 12, dtype=torch.long)} if mask == "all-ones" else {}

@@ -382,6 +382,24 @@ def test_packed_model_matches_on_one_text_and_on_equal_lengths(st_dirs):
         assert _err(ours.encode(texts, convert_to_tensor=True), expected) < TOL
 
 
+def test_a_batch_of_one_text_runs_unflattened_and_equals_the_padded_path(st_dirs):
+    """One text has no padding to drop: its batch runs as one whole row, without the
+    collator's prefix sums, and equals the padded path; two texts are flattened."""
+    for name in ("bert-mean", "xlmr-cls", "qwen3-lasttoken"):
+        path = st_dirs[name]
+        ref, ours = _reference(path), abst.load(str(path))
+        for texts in (["w1 w2 w3 w4"], ["w1 w2 w3 w4", "w5 w6"]):
+            expected = ref.encode(texts, convert_to_tensor=True)
+            with attention_calls() as calls:
+                got = ours.encode(texts, convert_to_tensor=True)
+            assert _err(got, expected) < TOL, name
+            if len(texts) == 1:
+                assert calls and all(c.rows == 1 and c.cu_seq_lens is None for c in calls)
+                assert all(c.padding == 0 for c in calls)
+            else:
+                _assert_packed(calls, _token_counts(ours, texts))
+
+
 # -- CrossEncoder ------------------------------------------------------------------------------
 
 

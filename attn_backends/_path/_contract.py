@@ -280,7 +280,16 @@ class ForwardPath:
     steady state) takes the same steps in as few interpreter steps as they take.
     """
 
-    __slots__ = ("_fp8", "_kernel", "_layout", "_name", "_reads_addresses", "_sinks", "_spec")
+    __slots__ = (
+        "_fp8",
+        "_kernel",
+        "_layout",
+        "_name",
+        "_reads_addresses",
+        "_separate",
+        "_sinks",
+        "_spec",
+    )
 
     def __init__(
         self,
@@ -301,6 +310,10 @@ class ForwardPath:
         their geometry alone)."""
         self._fp8 = spec.is_fp8
         self._sinks = spec.attention_sinks
+        self._separate = BufferMemo()
+        """Separate-input geometries by signature and the batch's row and token counts and
+        device, all `separate_geometry` reads of a plan: a new batch's plan (each batch of new
+        boundaries has one) finds the checks its layers' tensors passed in an earlier batch."""
 
     def run(
         self,
@@ -397,19 +410,28 @@ class ForwardPath:
                 "the packed buffer in graph mode (a captured graph reads one fixed buffer)",
             )
         signature = separate_signature(first, writes=plan.rotates, addresses=self._reads_addresses)
-        seen = plan.memo.get(signature) if signature is not None else None
+        if signature is None:
+            return None, first, self._separate_geometry(first, plan)
+        seen = plan.memo.get(signature)
         if seen is None:
-            seen = separate_geometry(
-                first,
-                self._spec,
-                plan.params,
-                self._layout,
-                self._kernel.accepts_rows,
-                writes=plan.rotates,
-            )
-            if signature is not None:
-                plan.memo.put(signature, seen)
+            params = plan.params
+            shared = (signature, params.rows, params.token_q_num, params.device)
+            seen = self._separate.get(shared)
+            if seen is None:
+                seen = self._separate_geometry(first, plan)
+                self._separate.put(shared, seen)
+            plan.memo.put(signature, seen)
         return None, first, seen
+
+    def _separate_geometry(self, given: SeparateQKV, plan: PrefillPlan) -> Geometry:
+        return separate_geometry(
+            given,
+            self._spec,
+            plan.params,
+            self._layout,
+            self._kernel.accepts_rows,
+            writes=plan.rotates,
+        )
 
     # The in-place pass and the cut ----------------------------------------------------------
 

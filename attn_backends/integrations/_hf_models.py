@@ -143,11 +143,43 @@ TOKENWISE_LAYER_KINDS = frozenset({"mlp", "moe"})
 """Entries whose layer does not mix tokens at all (NemotronH's MLP and MoE blocks)."""
 
 
+_TEXT_CONFIG_NAMES = ("text_encoder", "decoder", "generator", "text_config")
+"""The attributes transformers' ``get_text_config()`` looks for a text sub-config under."""
+
+
+_beyond_instance: dict[type, bool] = {}
+
+
+def _names_beyond_instance(cls: type) -> bool:
+    """Whether ``cls`` may answer one of `_TEXT_CONFIG_NAMES` other than from an instance's
+    own ``__dict__`` (a class attribute or property, an ``attribute_map`` alias, its own
+    ``get_text_config``): then only that method says which config is the text one. Once
+    per config class."""
+    found = _beyond_instance.get(cls)
+    if found is None:
+        from transformers import PretrainedConfig
+
+        aliases = getattr(cls, "attribute_map", None) or {}
+        found = getattr(
+            cls, "get_text_config", None
+        ) is not PretrainedConfig.get_text_config or any(
+            hasattr(cls, name) or name in aliases for name in _TEXT_CONFIG_NAMES
+        )
+        _beyond_instance[cls] = found
+    return found
+
+
 def _text_config(config: Any) -> Any:
     # transformers' configs are untyped; a composite hands its text sub-config to the mask
     # helpers, but a few pass the outer one
     layer_types = getattr(config, "layer_types", None)
     if layer_types is None and callable(getattr(config, "get_text_config", None)):
+        own = getattr(config, "__dict__", None)
+        if isinstance(own, dict) and not _names_beyond_instance(type(config)):
+            # what get_text_config() reads, from the instance dict it would find it in
+            found = [own[name] for name in _TEXT_CONFIG_NAMES if own.get(name) is not None]
+            if len(found) <= 1:
+                return found[0] if found else config
         return config.get_text_config()
     return config
 

@@ -138,6 +138,16 @@ def positions_split_at(row: torch.Tensor, starts: list[int], *, strict: bool) ->
     return bool((step | ~inside).all())
 
 
+def _counts_from_one_start(row: torch.Tensor, layout: BatchLayout) -> bool:
+    """Whether position ids ``row`` are each token's place in its own sequence plus one
+    offset shared by all of them (what a collator writes, RoBERTa's ``padding_idx + 1``
+    included): enough for `positions_split_at`'s loose rule, in three tensor operations."""
+    if row.dtype.is_floating_point or row.dtype == torch.bool or row.device != layout.params.device:
+        return False
+    expected = layout.params.positions.to(row.dtype)
+    return torch.equal(row - row[:1], expected)
+
+
 def _reads_match_segments(data: tuple[tuple[str, Any], ...], layout: BatchLayout) -> bool:
     """Whether the tensors the mask reads agree with the layout's sequences, over a row they
     tile: packed-sequence ids change exactly where a sequence starts, remapped positions count
@@ -156,7 +166,9 @@ def _reads_match_segments(data: tuple[tuple[str, Any], ...], layout: BatchLayout
             if changes.tolist() != starts[1:]:
                 return False
         elif role == "positions":
-            if not positions_split_at(row, starts, strict=False):
+            if not _counts_from_one_start(row, layout) and not positions_split_at(
+                row, starts, strict=False
+            ):
                 return False
         else:
             return False

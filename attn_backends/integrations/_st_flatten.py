@@ -17,6 +17,8 @@ the length-interleaved batch order, pooling, normalisation, prompts, truncation)
 sentence-transformers' own code. Built against sentence-transformers 6.2; ``tests/
 test_sentence_transformers.py`` fails if a later release moves these attributes.
 
+A batch of one input is not flattened (`_single_input`): it holds no padding to drop.
+
 One output needs the padded batch: sentence-transformers' inference loop cuts per-text token
 embeddings (``output_value="token_embeddings"``, and the per-text dicts of ``None``) by the
 batch's ``attention_mask``, which a flattened batch has not, so those calls fail inside it
@@ -90,10 +92,22 @@ def enable_flattening(transformer: Any) -> None:
     transformer.can_flatten_inputs = True
     should_flatten = transformer._should_flatten_inputs  # the bound method of its class
 
-    def flatten_unless_padded(*args: Any, **kwargs: Any) -> bool:
-        return not _padded.get() and bool(should_flatten(*args, **kwargs))
+    def flatten_unless_padded(
+        modality: Any, processor_inputs: dict[str, Any], *args: Any, **kwargs: Any
+    ) -> bool:
+        if _padded.get() or _single_input(modality, processor_inputs):
+            return False
+        return bool(should_flatten(modality, processor_inputs, *args, **kwargs))
 
     transformer._should_flatten_inputs = flatten_unless_padded
+
+
+def _single_input(modality: Any, processor_inputs: dict[str, Any]) -> bool:
+    """Whether the batch holds one input: its padded batch has no padding, so it runs as it
+    is (one whole row) and skips the flattening's collator, packed-sequence search and flat
+    pooling, which buy nothing for one sequence."""
+    inputs = processor_inputs.get(modality) if isinstance(modality, str) else None
+    return isinstance(inputs, list) and len(inputs) == 1
 
 
 @contextlib.contextmanager

@@ -273,10 +273,16 @@ def _packed_layout(
 
 def _positions_pack(request: MaskRequest) -> bool:
     """Whether restarting ``position_ids`` split this batch's rows, as transformers reads
-    them: only its causal mask functions (causal, sliding-window and chunked) look for
-    packed sequences there, and only when the model was given no 2-D mask (and no cache,
-    which the mask check sees: the model's mask then spans the whole row)."""
-    return not request.mask_given and request.mask_is_causal() is True
+    them, and only when the model was given no 2-D mask: a recognised mask function packs
+    exactly when transformers built it with packed-sequence ids (its causal masks do; its
+    bidirectional ones from transformers 5.25 on; a cache makes none). An unrecognised one
+    is read as transformers' causal functions before 5.25 read positions; the mask check
+    refuses it wherever the model's own mask says otherwise."""
+    if request.mask_given:
+        return False
+    if request.proof is not None:
+        return any(role == "ids" for role, _ in request.packed_ids)
+    return request.mask_is_causal() is True
 
 
 def _hooked_layout(

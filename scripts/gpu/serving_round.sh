@@ -1,0 +1,48 @@
+#!/usr/bin/env bash
+# What the H200 issue still asks of the serving paths, in two calls of one warm machine (each
+# under the 600 s a call may run; the second finds the first's flashinfer JIT cache in build/).
+# Every step is time-boxed and writes under OUT, so a call cut short keeps the earlier steps.
+#
+#     scripts/gpu/serving_round.sh 1 "$OUT"   # BGE-M3: every workload; a larger batch; API-raw
+#     scripts/gpu/serving_round.sh 2 "$OUT"   # the other models' 1 and 32 queries; GPU tests
+set -u
+part=${1:?usage: scripts/gpu/serving_round.sh 1|2 OUT}
+out=${2:?usage: scripts/gpu/serving_round.sh 1|2 OUT}
+mkdir -p "$out"
+. scripts/gpu/setup.sh || exit 1
+export PYTHONUNBUFFERED=1
+start=$(date +%s)
+step() { echo "[$(($(date +%s) - start)) s] $*" | tee -a "$out/steps.log"; }
+boxed() {  # boxed SECONDS NAME COMMAND...: the command's output in OUT/NAME.log
+    local seconds=$1 name=$2
+    shift 2
+    timeout "$seconds" "$@" >"$out/$name.log" 2>&1
+    step "$name rc=$?"
+}
+
+step "part $part on $(nvidia-smi --query-gpu=name,driver_version --format=csv,noheader)"
+python3 -c "import torch, transformers, sentence_transformers as s; print(torch.__version__, \
+transformers.__version__, s.__version__)" | tee -a "$out/steps.log"
+case "$part" in
+1)
+    boxed 270 serving-bge python3 benchmarks/serving_bench.py --out "$out/serving-bge" \
+        --models bge-m3 --repeats 10 --host-time
+    boxed 130 serving-bge-batch128 python3 benchmarks/serving_bench.py \
+        --out "$out/serving-bge-batch128" --models bge-m3 --repeats 5 --batch-size 128 \
+        --workloads "documents,bulk"
+    boxed 150 bench-api-raw python3 benchmarks/bench.py --out "$out/bench" \
+        --workloads bge-m3-q4x32,bge-m3 --modes host,latency \
+        --backends flashinfer,torch-varlen --time-budget-s 120
+    ;;
+2)
+    boxed 380 serving-others python3 benchmarks/serving_bench.py --out "$out/serving-others" \
+        --models qwen3,modernbert,embeddinggemma --workloads "queries 1,queries 32" --repeats 10
+    boxed 150 gpu-graph-runner python3 -m pytest -q -p no:cacheprovider -rfE \
+        tests/gpu/test_graph_runner_gpu.py
+    ;;
+*)
+    echo "part must be 1 or 2, got $part" >&2
+    exit 2
+    ;;
+esac
+step "part $part done"
