@@ -159,12 +159,11 @@ def _names_beyond_instance(cls: type) -> bool:
     if found is None:
         from transformers import PretrainedConfig
 
+        # what get_text_config() itself consults: the class's method, names and aliases
         aliases = getattr(cls, "attribute_map", None) or {}
-        found = getattr(
-            cls, "get_text_config", None
-        ) is not PretrainedConfig.get_text_config or any(
-            hasattr(cls, name) or name in aliases for name in _TEXT_CONFIG_NAMES
-        )
+        own_method = getattr(cls, "get_text_config", None) is not PretrainedConfig.get_text_config
+        on_class = any(hasattr(cls, n) or n in aliases for n in _TEXT_CONFIG_NAMES)
+        found = own_method or on_class
         _beyond_instance[cls] = found
     return found
 
