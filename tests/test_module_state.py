@@ -153,6 +153,18 @@ def test_model_caches_reset_asks_transformers_again(monkeypatch):
     assert (find.calls, _Model.checks) == (2, 2)
 
 
+def test_model_caches_reset_reads_config_classes_again(monkeypatch):
+    monkeypatch.setattr(_hf_models, "_beyond_instance", {})
+    pytest.importorskip("transformers")
+    from transformers import BertConfig
+
+    config = BertConfig()
+    assert _hf_models._text_config(config) is config is config.get_text_config()
+    assert BertConfig in _hf_models._beyond_instance
+    _hf_models.clear_model_caches()
+    assert _hf_models._beyond_instance == {}
+
+
 def test_model_caches_reset_reads_the_attention_tables_again(monkeypatch, tmp_path):
     transformers = pytest.importorskip("transformers")
     monkeypatch.setattr(_hf_models, "_classes", {})

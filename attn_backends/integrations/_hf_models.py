@@ -298,13 +298,15 @@ def _attention_tables() -> list[tuple[str, str]]:
 
 
 def clear_model_caches() -> None:
-    """Forget the model classes, registry verdicts and attention tables read so far, so that
-    the next model asks transformers again (a module reloaded, remote code updated, tests)."""
+    """Forget the model classes, registry verdicts, config facts and classes, and attention
+    tables read so far, so that the next model asks transformers again (a module reloaded,
+    remote code updated, tests)."""
     global _tables_found
     with _lock:
         _classes.clear()
         _bypassers.clear()
         _facts.clear()
+        _beyond_instance.clear()
         _tables_found = None
 
 
