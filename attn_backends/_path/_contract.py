@@ -399,6 +399,18 @@ class ForwardPath:
         self, qkv: object, plan: AnyPlan
     ) -> tuple[torch.Tensor | None, SeparateQKV | None, Geometry]:
         """A tuple input: the packed buffer it carries, or separate ``(q, k, v)``."""
+        if type(qkv) is tuple and len(qkv) == 3 and type(plan) is PrefillPlan:
+            q, k, v = qkv
+            if type(q) is torch.Tensor and type(k) is torch.Tensor and type(v) is torch.Tensor:
+                # three tensors of a signature this plan checked as separate input (never
+                # empty ones, which carry a packed buffer): the checks hold as they did
+                given = SeparateQKV(q, k, v)
+                signature = separate_signature(
+                    given, writes=plan.rotates, addresses=self._reads_addresses
+                )
+                seen = plan.memo.get(signature) if signature is not None else None
+                if seen is not None:
+                    return None, given, seen
         first = unpack_tuple(qkv)
         if not isinstance(first, SeparateQKV):
             known = plan.memo.get(buffer_signature(first)) if type(first) is torch.Tensor else None

@@ -158,14 +158,20 @@ def padding_mask(
                 f"{model}: the mask hook takes a [batch, seq] padding mask, got shape "
                 f"{tuple(attention_mask.shape)}"
             )
-        padding = attention_mask[:, -kv_length:].to(device=device, dtype=torch.bool, copy=True)
+        given = (
+            attention_mask
+            if attention_mask.shape[-1] == kv_length
+            else attention_mask[:, -kv_length:]
+        )
+        # all() reads a value as bool() does (non-zero: a real token): a batch without
+        # padding is told apart on the mask as given, and only a padded one is copied
+        if not bool(given.all()):
+            padding = given.to(device=device, dtype=torch.bool, copy=True)
     token = (
         padding.clone()
         if padding is not None
         else torch.ones(batch_size, kv_length, dtype=torch.bool, device=device)
     )
-    if padding is not None and bool(padding.all()):
-        padding = None
     function = kwargs.get("mask_function")
     # transformers vmaps as soon as a model adds a function of its own; a tree of functions
     # recognised to broadcast is evaluated exactly without it (`_hf_mask_kinds`).
@@ -416,15 +422,6 @@ def _same_keys(cu_q: torch.Tensor, cu_k: object) -> torch.Tensor:
     return cu_q
 
 
-def _same_sources(lane: _Lane, kwargs: Mapping[str, Any]) -> bool:
-    q, k, positions = lane.sources
-    return (
-        kwargs.get("cu_seq_lens_q") is q
-        and kwargs.get("cu_seq_lens_k") is k
-        and kwargs.get("position_ids") is positions
-    )
-
-
 def _plan_for(layout: BatchLayout, selection: Selection, spec: AttentionSpec) -> object:
     """The selected backend's plan for ``spec`` on ``layout``, shared by its layers."""
     return _layout.prepared_plan(layout.plans, _plans_lock, selection.backend, spec, layout.params)
@@ -432,11 +429,15 @@ def _plan_for(layout: BatchLayout, selection: Selection, spec: AttentionSpec) ->
 
 def _token_rows(x: torch.Tensor, layout: BatchLayout) -> torch.Tensor:
     """``x [B, H, S, D]`` as ``[tokens, H, D]``: a view when the memory allows, else a copy."""
-    per_token = x.transpose(1, 2)  # [B, S, H, D]
     if layout.cells is not None:
         rows, cols = layout.cells
-        return per_token[rows, cols]
-    return _layout.dense_heads(per_token.reshape(-1, x.shape[1], x.shape[3]))
+        return x.transpose(1, 2)[rows, cols]
+    batch, heads, seq, dim = x.shape
+    s_batch, s_head, s_seq, s_dim = x.stride()
+    if s_dim == 1 and (heads == 1 or s_head == dim) and (batch == 1 or s_batch == seq * s_seq):
+        # the rows are one strided view, with each token's heads dense: what the kernels read
+        return x.as_strided((batch * seq, heads, dim), (s_seq, s_head, 1), x.storage_offset())
+    return _layout.dense_heads(x.transpose(1, 2).reshape(-1, heads, dim))
 
 
 @dataclass(frozen=True, eq=False)
@@ -446,8 +447,9 @@ class _Lane:
     the backend and the plan the first of them resolved, and run only the tensor work."""
 
     sources: tuple[object, object, object]
-    """The ``cu_seq_lens_q``/``cu_seq_lens_k``/``position_ids`` objects the layout came from:
-    a later call matches only with these very objects."""
+    """The ``cu_seq_lens_q``/``cu_seq_lens_k``/``position_ids`` objects the layout came from,
+    kept alive here: the lane key holds their ids, so a later call matches only with these
+    very objects."""
     spec: AttentionSpec
     layout: BatchLayout
     backend: Any
@@ -461,13 +463,16 @@ def _lane_key(
     query: torch.Tensor,
     key: torch.Tensor,
     value: torch.Tensor,
+    dropout: float,
     scaling: float | None,
     is_causal: bool | None,
     backend: str | None,
     kwargs: Mapping[str, Any],
 ) -> Hashable | None:
-    """Everything the resolution of a call reads, as a value (None: resolve it in full; a
-    kwarg of a type only the full path judges)."""
+    """Everything the resolution of a call reads, `refuse_unsupported_call` included, as a
+    value (None: resolve it in full; a kwarg of a type only the full path judges). The
+    kwargs' sources enter by id: the lane keeps them alive, so an id seen again while it
+    lives is the very same object."""
     features = _hf_call.feature_key(kwargs)
     if features is None:
         return None
@@ -480,6 +485,8 @@ def _lane_key(
         scaling,
         is_causal,
         getattr(module, "is_causal", None),  # untyped: not every module defines it
+        dropout > 0 and module.training,
+        bool(kwargs.get("output_attentions")),
         *features,
         backend,
         id(kwargs.get("cu_seq_lens_q")),
@@ -540,19 +547,17 @@ def attention_forward(
     what the model's own mask says. The first call of each class in a forward resolves it in
     full (`_resolve`); the layers after it that make the same call reuse that (`_Lane`).
     """
-    _hf_call.refuse_unsupported_call(module, query, key, value, dropout, kwargs)
     request = _hf_mask.request_of(attention_mask)
     lane: _Lane | None = None
     call = (
-        _lane_key(module, query, key, value, scaling, is_causal, backend, kwargs)
+        _lane_key(module, query, key, value, dropout, scaling, is_causal, backend, kwargs)
         if request is not None
         else None
     )
     if call is not None and request is not None:
         lane = request.lanes.get(call)
-        if lane is not None and not _same_sources(lane, kwargs):
-            lane = None
     if lane is None:
+        _hf_call.refuse_unsupported_call(module, query, key, value, dropout, kwargs)
         lane = _resolve(
             module, query, key, attention_mask, request, scaling, is_causal, backend, kwargs
         )

@@ -254,15 +254,26 @@ def _attend_whole(
     n, length = run.count, run.length
     mask = masks.get(length)
     result = F.scaled_dot_product_attention(
-        q.view(n, length, *q.shape[1:]).transpose(1, 2),
-        k.view(n, length, *k.shape[1:]).transpose(1, 2),
-        v.view(n, length, *v.shape[1:]).transpose(1, 2),
+        _run_view(q, n, length),
+        _run_view(k, n, length),
+        _run_view(v, n, length),
         attn_mask=mask,
         is_causal=spec.causal and mask is None,
         scale=spec.scale,
         enable_gqa=spec.is_gqa,
     )
-    return result.transpose(1, 2).reshape(q.shape).to(spec.output_dtype)
+    out = result.transpose(1, 2).reshape(q.shape)
+    return out if out.dtype == spec.output_dtype else out.to(spec.output_dtype)
+
+
+def _run_view(x: torch.Tensor, count: int, length: int) -> torch.Tensor:
+    """Rows ``x [count * length, H, D]`` as ``[count, H, length, D]``: one strided view."""
+    rows, heads, dim = x.stride()
+    return x.as_strided(
+        (count, x.shape[1], length, x.shape[2]),
+        (length * rows, heads, rows, dim),
+        x.storage_offset(),
+    )
 
 
 def _padded(x: torch.Tensor, group: _Group) -> torch.Tensor:
