@@ -1,0 +1,99 @@
+"""Where the host time of one model's encodes goes: cProfile of padded sdpa and of the
+library's packed path, the same workload, written side by side.
+
+For each path: ``--encodes`` encodes under the profiler after two unprofiled warm-ups, the
+packed path dropping its shared layouts before each encode (as `serving_bench.py` times it).
+Writes ``OUT/<workload>.<path>.txt`` (top functions by own time and by cumulative time, per
+encode) and prints each path's wall time per encode under the profiler.
+"""
+
+from __future__ import annotations
+
+import argparse
+import cProfile
+import pstats
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+import serving_bench as bench
+
+
+def _report(profile: cProfile.Profile, encodes: int, rows: int) -> str:
+    """The top ``rows`` functions by own time and by cumulative time, in µs per encode."""
+    raw: dict[tuple[str, int, str], tuple[Any, ...]] = pstats.Stats(profile).stats  # type: ignore[attr-defined]
+    table: list[tuple[str, float, float, float]] = [
+        (f"{path.split('site-packages/')[-1]}:{line}({name})", calls / encodes, own, total)
+        for (path, line, name), (_, calls, own, total, _) in raw.items()
+    ]
+    lines = []
+    for title, column in (("own time", 2), ("cumulative time", 3)):
+        lines += [f"by {title}, µs per encode", f"{'calls':>8} {'own':>9} {'cumul':>9}  function"]
+        for where, calls, own, total in sorted(table, key=lambda r: -float(r[column]))[:rows]:
+            own_us, total_us = own / encodes * 1e6, total / encodes * 1e6
+            lines.append(f"{calls:8.1f} {own_us:9.1f} {total_us:9.1f}  {where}")
+        lines.append("")
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--out", type=Path, required=True)
+    parser.add_argument("--model", default="bge-m3", choices=sorted(bench._cases()))
+    parser.add_argument("--workloads", default="queries 1,documents")
+    parser.add_argument("--encodes", type=int, default=20)
+    parser.add_argument("--rows", type=int, default=60, help="functions listed per order")
+    parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    parser.add_argument("--cpu-tiny", action="store_true", help="the tiny models on CPU")
+    args = parser.parse_args(argv)
+    if args.encodes < 1:
+        parser.error("--encodes must be at least 1")
+    device = torch.device(args.device)
+    tiny = args.cpu_tiny
+    chosen = bench._chosen(bench.workloads(False, tiny), args.workloads)
+    if not chosen:
+        parser.error(f"--workloads {args.workloads!r} names no workload")
+    from attn_backends.integrations.transformers import clear_layout_cache
+
+    args.out.mkdir(parents=True, exist_ok=True)
+    case = bench._cases()[args.model]
+    with tempfile.TemporaryDirectory() as tmp:
+        st_dir = bench.build_model(args.model, case, Path(tmp), tiny, 64 if tiny else 8192)
+        paths = bench.Paths(st_dir, case, device, tiny)
+        for workload, batch in chosen:
+
+            def padded(batch: list[str] = batch) -> object:
+                return paths.padded.encode(batch, batch_size=paths.batch_size)
+
+            def packed(batch: list[str] = batch) -> object:
+                clear_layout_cache()
+                return paths.packed.encode(batch, batch_size=paths.batch_size)
+
+            for name, encode in (("padded", padded), ("packed", packed)):
+                encode()
+                encode()
+                bench._sync(device)
+                profile = cProfile.Profile()
+                start = time.perf_counter()
+                profile.enable()
+                for _ in range(args.encodes):
+                    encode()
+                bench._sync(device)
+                profile.disable()
+                per = (time.perf_counter() - start) / args.encodes * 1e3
+                stem = workload.split(" x ")[0].replace(" ", "-")
+                (args.out / f"{stem}.{name}.txt").write_text(
+                    _report(profile, args.encodes, args.rows)
+                )
+                print(f"{workload} {name}: {per:.2f} ms per encode under the profiler", flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
