@@ -19,7 +19,6 @@ import argparse
 import json
 import statistics
 import sys
-import tempfile
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -46,58 +45,38 @@ def _round(encode: Callable[[], object], repeats: int, device: torch.device) -> 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--label", default="this tree", help="names the code tree in the output")
-    parser.add_argument("--model", default="bge-m3", choices=sorted(bench._cases()))
-    parser.add_argument("--workloads", default="documents,queries 8,queries 1")
     parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--repeats", type=int, default=10)
-    parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
-    parser.add_argument("--cpu-tiny", action="store_true", help="the tiny models on CPU")
+    bench.add_one_model_arguments(parser)
     args = parser.parse_args(argv)
     if args.rounds < 1 or args.repeats < 1:
         parser.error("--rounds and --repeats must be at least 1")
     device = torch.device(args.device)
-    tiny = args.cpu_tiny
-    chosen = bench._chosen(bench.workloads(False, tiny), args.workloads)
-    if not chosen:
-        parser.error(f"--workloads {args.workloads!r} names no workload")
     import attn_backends
-    from attn_backends.integrations.transformers import clear_layout_cache
 
-    case = bench._cases()[args.model]
-    with tempfile.TemporaryDirectory() as tmp:
-        st_dir = bench.build_model(args.model, case, Path(tmp), tiny, 64 if tiny else 8192)
-        paths = bench.Paths(st_dir, case, device, tiny)
-        for workload, batch in chosen:
-
-            def padded(batch: list[str] = batch) -> object:
-                return paths.padded.encode(batch, batch_size=paths.batch_size)
-
-            def packed(batch: list[str] = batch) -> object:
-                clear_layout_cache()
-                return paths.packed.encode(batch, batch_size=paths.batch_size)
-
-            for encode in (padded, packed, padded, packed):  # warm-up, both paths
-                encode()
-            rounds: dict[str, list[float]] = {"padded": [], "packed": []}
-            for _ in range(args.rounds):
-                rounds["padded"].append(_round(padded, args.repeats, device))
-                rounds["packed"].append(_round(packed, args.repeats, device))
-            best = {name: min(values) for name, values in rounds.items()}
-            print(
-                json.dumps(
-                    {
-                        "label": args.label,
-                        "library": str(Path(attn_backends.__file__).parent),
-                        "model": args.model,
-                        "workload": workload,
-                        "padded_ms": round(best["padded"], 3),
-                        "packed_ms": round(best["packed"], 3),
-                        "packed_over_padded": round(best["packed"] / best["padded"], 3),
-                        "rounds_ms": {k: [round(v, 3) for v in vs] for k, vs in rounds.items()},
-                    }
-                ),
-                flush=True,
-            )
+    for workload, padded, packed in bench.one_model_workloads(parser, args):
+        for encode in (padded, packed, padded, packed):  # warm-up, both paths
+            encode()
+        rounds: dict[str, list[float]] = {"padded": [], "packed": []}
+        for _ in range(args.rounds):
+            rounds["padded"].append(_round(padded, args.repeats, device))
+            rounds["packed"].append(_round(packed, args.repeats, device))
+        best = {name: min(values) for name, values in rounds.items()}
+        print(
+            json.dumps(
+                {
+                    "label": args.label,
+                    "library": str(Path(attn_backends.__file__).parent),
+                    "model": args.model,
+                    "workload": workload,
+                    "padded_ms": round(best["padded"], 3),
+                    "packed_ms": round(best["packed"], 3),
+                    "packed_over_padded": round(best["packed"] / best["padded"], 3),
+                    "rounds_ms": {k: [round(v, 3) for v in vs] for k, vs in rounds.items()},
+                }
+            ),
+            flush=True,
+        )
     return 0
 
 

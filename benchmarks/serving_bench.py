@@ -545,6 +545,43 @@ def bulk_texts(count: int, low: int, high: int, seed: int) -> list[str]:
     return [" ".join(f"w{rng.randrange(VOCAB_WORDS)}" for _ in range(n - 2)) for n in lengths]
 
 
+def add_one_model_arguments(parser: argparse.ArgumentParser) -> None:
+    """The arguments of a tool that runs one model's workloads (`serving_ab.py`,
+    `serving_profile.py`): ``--model``, ``--workloads``, ``--device``, ``--cpu-tiny``."""
+    parser.add_argument("--model", default="bge-m3", choices=sorted(_cases()))
+    parser.add_argument("--workloads", default="documents,queries 8,queries 1")
+    parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    parser.add_argument("--cpu-tiny", action="store_true", help="the tiny models on CPU")
+
+
+def one_model_workloads(
+    parser: argparse.ArgumentParser, args: argparse.Namespace
+) -> Iterator[tuple[str, Callable[[], object], Callable[[], object]]]:
+    """Each chosen workload of ``args.model`` with padded sdpa's and the packed path's encode
+    of it; the packed one drops the shared layouts first (new boundaries each batch, as
+    ``st-packed`` is timed). The model is built once, in a directory removed at the end."""
+    tiny = bool(args.cpu_tiny)
+    chosen = _chosen(workloads(False, tiny), args.workloads)
+    if not chosen:
+        parser.error(f"--workloads {args.workloads!r} names no workload")
+    from attn_backends.integrations.transformers import clear_layout_cache
+
+    case = _cases()[args.model]
+    with tempfile.TemporaryDirectory() as tmp:
+        st_dir = build_model(args.model, case, Path(tmp), tiny, 64 if tiny else 8192)
+        paths = Paths(st_dir, case, torch.device(args.device), tiny)
+        for workload, batch in chosen:
+
+            def padded(batch: list[str] = batch) -> object:
+                return paths.padded.encode(batch, batch_size=paths.batch_size)
+
+            def packed(batch: list[str] = batch) -> object:
+                clear_layout_cache()
+                return paths.packed.encode(batch, batch_size=paths.batch_size)
+
+            yield workload, padded, packed
+
+
 def _chosen(found: dict[str, list[str]], prefixes: str | None) -> list[tuple[str, list[str]]]:
     """The workloads whose names start with one of ``prefixes``, in the prefixes' order."""
     if prefixes is None:

@@ -13,7 +13,6 @@ import argparse
 import cProfile
 import pstats
 import sys
-import tempfile
 import time
 from pathlib import Path
 from typing import Any
@@ -45,53 +44,30 @@ def _report(profile: cProfile.Profile, encodes: int, rows: int) -> str:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--out", type=Path, required=True)
-    parser.add_argument("--model", default="bge-m3", choices=sorted(bench._cases()))
-    parser.add_argument("--workloads", default="queries 1,documents")
     parser.add_argument("--encodes", type=int, default=20)
     parser.add_argument("--rows", type=int, default=60, help="functions listed per order")
-    parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
-    parser.add_argument("--cpu-tiny", action="store_true", help="the tiny models on CPU")
+    bench.add_one_model_arguments(parser)
     args = parser.parse_args(argv)
     if args.encodes < 1:
         parser.error("--encodes must be at least 1")
     device = torch.device(args.device)
-    tiny = args.cpu_tiny
-    chosen = bench._chosen(bench.workloads(False, tiny), args.workloads)
-    if not chosen:
-        parser.error(f"--workloads {args.workloads!r} names no workload")
-    from attn_backends.integrations.transformers import clear_layout_cache
-
     args.out.mkdir(parents=True, exist_ok=True)
-    case = bench._cases()[args.model]
-    with tempfile.TemporaryDirectory() as tmp:
-        st_dir = bench.build_model(args.model, case, Path(tmp), tiny, 64 if tiny else 8192)
-        paths = bench.Paths(st_dir, case, device, tiny)
-        for workload, batch in chosen:
-
-            def padded(batch: list[str] = batch) -> object:
-                return paths.padded.encode(batch, batch_size=paths.batch_size)
-
-            def packed(batch: list[str] = batch) -> object:
-                clear_layout_cache()
-                return paths.packed.encode(batch, batch_size=paths.batch_size)
-
-            for name, encode in (("padded", padded), ("packed", packed)):
+    for workload, padded, packed in bench.one_model_workloads(parser, args):
+        for name, encode in (("padded", padded), ("packed", packed)):
+            encode()
+            encode()
+            bench._sync(device)
+            profile = cProfile.Profile()
+            start = time.perf_counter()
+            profile.enable()
+            for _ in range(args.encodes):
                 encode()
-                encode()
-                bench._sync(device)
-                profile = cProfile.Profile()
-                start = time.perf_counter()
-                profile.enable()
-                for _ in range(args.encodes):
-                    encode()
-                bench._sync(device)
-                profile.disable()
-                per = (time.perf_counter() - start) / args.encodes * 1e3
-                stem = workload.split(" x ")[0].replace(" ", "-")
-                (args.out / f"{stem}.{name}.txt").write_text(
-                    _report(profile, args.encodes, args.rows)
-                )
-                print(f"{workload} {name}: {per:.2f} ms per encode under the profiler", flush=True)
+            bench._sync(device)
+            profile.disable()
+            per = (time.perf_counter() - start) / args.encodes * 1e3
+            stem = workload.split(" x ")[0].replace(" ", "-")
+            (args.out / f"{stem}.{name}.txt").write_text(_report(profile, args.encodes, args.rows))
+            print(f"{workload} {name}: {per:.2f} ms per encode under the profiler", flush=True)
     return 0
 
 
