@@ -19,7 +19,6 @@ import argparse
 import json
 import statistics
 import sys
-import time
 from collections.abc import Callable
 from pathlib import Path
 
@@ -32,14 +31,7 @@ import serving_bench as bench
 
 def _round(encode: Callable[[], object], repeats: int, device: torch.device) -> float:
     """Median milliseconds of ``repeats`` encodes, each synchronised."""
-    times = []
-    for _ in range(repeats):
-        bench._sync(device)
-        start = time.perf_counter()
-        encode()
-        bench._sync(device)
-        times.append((time.perf_counter() - start) * 1e3)
-    return statistics.median(times)
+    return statistics.median(bench.synchronised_ms(encode, repeats, device))
 
 
 def main(argv: list[str] | None = None) -> int:

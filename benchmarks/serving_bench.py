@@ -222,6 +222,12 @@ def _sync(device: torch.device) -> None:
 def _time(fn: Callable[[], torch.Tensor], repeats: int, device: torch.device) -> list[float]:
     fn()
     fn()  # warm-up (and, for graph paths, capture)
+    return synchronised_ms(fn, repeats, device)
+
+
+def synchronised_ms(fn: Callable[[], object], repeats: int, device: torch.device) -> list[float]:
+    """Milliseconds of each of ``repeats`` calls of ``fn``, the device synchronised around
+    each (what one request waits)."""
     times = []
     for _ in range(repeats):
         _sync(device)
