@@ -15,6 +15,7 @@ from attn_backends.integrations import _layout
 transformers = pytest.importorskip("transformers")
 
 from attn_backends.integrations import transformers as abt  # noqa: E402
+from tests import hf_support  # noqa: E402
 
 
 def _geometries() -> list[tuple[str, torch.Tensor]]:
@@ -69,9 +70,8 @@ def _bert(dropout: float) -> Any:
         attention_probs_dropout_prob=dropout,
         hidden_dropout_prob=0.0,
     )
-    torch.manual_seed(0)
     abt.register()
-    return transformers.AutoModel.from_config(config, attn_implementation=abt.DEFAULT_NAME).eval()
+    return hf_support.from_config(config, abt.DEFAULT_NAME)
 
 
 def _attention_modules(model: Any) -> list[torch.nn.Module]:
