@@ -15,8 +15,10 @@ Paths, each checked against the first before it is timed (min cosine of the embe
   (query batches only: one CUDA graph per bucket; on CPU eager bucketing);
 - ``compile-padded-buckets``: ``torch.compile(model, mode="reduce-overhead")`` on HF sdpa with
   the batch padded to a bucket (rows and length rounded up to powers of two), CUDA only;
-- ``st-flash-packed``: sentence-transformers' own packed path on ``flash_attention_2``, when
-  ``flash_attn`` is importable.
+- ``st-flash-packed``: sentence-transformers' own packed path (it flattens the batch itself for
+  a flash implementation) on ``flash_attention_4`` where flash-attn-4 imports, else on
+  ``flash_attention_2`` where flash-attn 2 does (`flash_implementation`; the one used is in
+  the path's ``extra``).
 
 Per path: tokens/s (valid tokens over the median batch latency) and p50/p99 latency per batch
 (one ``encode`` call of the whole workload, with sentence-transformers' default batch size of
@@ -364,13 +366,13 @@ class Paths:
             features = module(features)
         return features["sentence_embedding"]  # type: ignore[no-any-return]
 
-    def flash(self) -> Any:
+    def flash(self, implementation: str) -> Any:
         from sentence_transformers import SentenceTransformer
 
         if self._flash is None:
             self._flash = SentenceTransformer(
                 str(self.st_dir),
-                model_kwargs={"attn_implementation": "flash_attention_2", "dtype": self.dtype},
+                model_kwargs={"attn_implementation": implementation, "dtype": self.dtype},
                 device=str(self.device),
             )
         return self._flash
@@ -446,10 +448,47 @@ def host_per_layer(paths: Paths, batch: list[str], encodes: int = 10) -> dict[st
     return parts
 
 
+def flash_implementation() -> str | None:
+    """transformers' name for the flash kernel sentence-transformers' own packed path can run
+    on here: ``flash_attention_4`` where flash-attn-4 imports (its CuTe DSL included), else
+    ``flash_attention_2`` where flash-attn 2 does; None without either."""
+    try:
+        import flash_attn.cute  # flash-attn-4 interface: the import is the check
+
+        return "flash_attention_4"
+    except Exception:  # absent, or present without the DSL it needs
+        pass
+    if importlib.util.find_spec("flash_attn") is not None:
+        try:
+            import flash_attn
+
+            if str(getattr(flash_attn, "__version__", "")).startswith("2."):
+                return "flash_attention_2"
+        except Exception:
+            return None
+    return None
+
+
+PATHS = (
+    "st-padded-sdpa",
+    "st-packed",
+    "st-packed-graphs",
+    "compile-padded-buckets",
+    "st-flash-packed",
+)
+"""Every path, in the order they run; the first is the reference the others are checked and
+timed against, so it always runs."""
+
+
 def run_workload(
-    paths: Paths, batch: list[str], queries: bool, repeats: int
+    paths: Paths,
+    batch: list[str],
+    queries: bool,
+    repeats: int,
+    only: frozenset[str] = frozenset(PATHS),
 ) -> Iterator[PathResult]:
-    """Each path's result as soon as it is measured (a run cut short keeps the earlier ones)."""
+    """Each path's result as soon as it is measured (a run cut short keeps the earlier ones);
+    a path outside ``only`` is reported as not asked for."""
     device = paths.device
 
     def st(model: Any) -> Callable[[], torch.Tensor]:
@@ -466,6 +505,7 @@ def run_workload(
 
         return encode
 
+    flash = flash_implementation()
     candidates: list[tuple[str, Callable[[], torch.Tensor] | None, str]] = [
         ("st-padded-sdpa", st(paths.padded), ""),
         ("st-packed", fresh(paths.packed), ""),
@@ -481,17 +521,20 @@ def run_workload(
         ),
         (
             "st-flash-packed",
-            (lambda: st(paths.flash())())
-            if device.type == "cuda" and importlib.util.find_spec("flash_attn") is not None
-            else None,
-            "flash_attn not importable",
+            (lambda: st(paths.flash(flash))()) if device.type == "cuda" and flash else None,
+            "needs CUDA and flash-attn-4 or flash-attn 2 importable",
         ),
     ]
     tokens = sum(len(x) for x in paths.padded.tokenizer(batch, truncation=True)["input_ids"])
     reference: torch.Tensor | None = None
     tolerance = 0.9999 if paths.dtype == torch.float32 else 0.99
+    assert [c[0] for c in candidates] == list(PATHS)  # the two lists name the same paths
     for name, fn, why in candidates:
         result = PathResult(name, tokens=tokens)
+        if name not in only and name != PATHS[0]:
+            result.status = "skipped: not in --paths"
+            yield result
+            continue
         if fn is None:
             result.status = f"skipped: {why}"
             yield result
@@ -518,6 +561,8 @@ def run_workload(
         result.p50_ms = statistics.median(times)
         result.p99_ms = _percentile(times, 0.99)
         result.tokens_per_s = tokens / (result.p50_ms / 1e3)
+        if name == "st-flash-packed":
+            result.extra = {"attn_implementation": flash}
         if name == "st-packed-graphs":
             stats = paths.runner().stats
             result.extra = {
@@ -630,7 +675,16 @@ def main(argv: list[str] | None = None) -> int:
         help="comma-separated name prefixes, run in this order (e.g. 'queries 8,documents'); "
         "default: every workload",
     )
+    parser.add_argument(
+        "--paths",
+        default=",".join(PATHS),
+        help=f"comma-separated paths to time (default: all of {', '.join(PATHS)}); "
+        f"{PATHS[0]} always runs: the others are checked and timed against it",
+    )
     args = parser.parse_args(argv)
+    only = frozenset(args.paths.split(","))
+    if only - set(PATHS):
+        parser.error(f"--paths: unknown {sorted(only - set(PATHS))}; choose from {list(PATHS)}")
     if args.batch_size < 1:
         parser.error(f"--batch-size must be at least 1, got {args.batch_size}")
     tiny = args.dry or args.cpu_tiny
@@ -656,7 +710,7 @@ def main(argv: list[str] | None = None) -> int:
             paths = Paths(st_dir, cases[name], device, tiny, args.batch_size)
             for workload, batch in chosen:
                 queries = workload.startswith("queries")
-                for result in run_workload(paths, batch, queries, repeats):
+                for result in run_workload(paths, batch, queries, repeats, only):
                     if (
                         result.path == "st-packed"
                         and (args.cpu_tiny or args.host_time)

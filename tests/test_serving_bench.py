@@ -111,3 +111,16 @@ def test_a_timed_inherited_method_is_inherited_again_afterwards():
     with bench._timed(Child, "work", spent):
         assert Child().work() == 7
     assert len(spent) == 1 and "work" not in vars(Child)
+
+
+def test_paths_option_times_only_the_paths_asked_and_always_the_reference(tmp_path):
+    bench = _load()
+    args = ["--dry", "--models", "bge-m3", "--workloads", "queries", "--out", str(tmp_path)]
+    assert bench.main([*args, "--paths", "st-packed"]) == 0
+    report = json.loads((tmp_path / "serving_bench.json").read_text())
+    status = {r["path"]: r["status"] for r in report}
+    assert list(status) == list(bench.PATHS)
+    assert status["st-padded-sdpa"] == status["st-packed"] == "ok"
+    assert all(status[p] == "skipped: not in --paths" for p in bench.PATHS[2:])
+    with pytest.raises(SystemExit):
+        bench.main([*args, "--paths", "st-packed,nope"])
