@@ -3,6 +3,6 @@
 # the carried folders). Source or run it from the repository root on the GPU machine.
 mkdir -p /tmp/fa4/deps
 for part in .fa4a .fa4b .fa4c; do
-    [ -d "$part" ] && cp -rn "$part"/. /tmp/fa4/
+    [ -d "$part" ] && cp -r "$part"/. /tmp/fa4/
 done
 ls /tmp/fa4
