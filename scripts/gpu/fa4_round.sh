@@ -12,7 +12,7 @@ out=${2:?usage: scripts/gpu/fa4_round.sh 1|2 OUT}
 mkdir -p "$out"
 . scripts/gpu/stash-fa4.sh >"$out/stash.log" 2>&1
 . scripts/gpu/setup.sh >"$out/setup.log" 2>&1 || { cat "$out/setup.log"; exit 1; }
-if [ "$part" = 1 ]; then
+if [ "$part" = 1 ] || [ -f /tmp/fa4/cu13.sha ]; then  # part 2: fa4 too where it was carried
     . scripts/gpu/install-fa4.sh >>"$out/setup.log" 2>&1 || { cat "$out/setup.log"; exit 1; }
 fi
 export PYTHONUNBUFFERED=1
