@@ -41,11 +41,12 @@ depends on the batch too (its longest sequence, whether it has more than 256 seq
 only on the spec, so this backend lists no `KernelModule` for warm-up's estimate: the count
 would be wrong.
 
-Placement: none yet (no row in the ranking table). fa4 has not passed its conformance suite on
-hardware (on the H200 of 2026-12-03 the carried CuTe DSL lacked ``cutlass.cute``,
-docs/hardware-verification.md), so it runs only when chosen by name (``backend="fa4"``,
-``ATTN_BACKEND=fa4``); its row against flashinfer and torch-varlen comes from the measurement
-once it runs.
+Placement: none yet (no row in the ranking table). fa4 has not passed its whole conformance
+suite on hardware (on the H200 of 2026-12-04, 62 of 83 cases passed and none failed before the
+run's time box; docs/hardware-verification.md), so it runs only when chosen by name
+(``backend="fa4"``, ``ATTN_BACKEND=fa4``). Measured there through this API: 0.79-1.00 of
+FlashAttention-3's H100 throughput on the FA3 grid, 1.1-2.0x torch-varlen's, 0.84x on the
+BGE-M3 shape; its row comes once the suite passes.
 """
 
 from __future__ import annotations
