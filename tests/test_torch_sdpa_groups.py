@@ -44,9 +44,12 @@ def _run(spec: ab.AttentionSpec, lengths: tuple[int, ...], seed: int, pad: int =
 @pytest.mark.parametrize("causal", [True, False], ids=["causal", "bidirectional"])
 @pytest.mark.parametrize("feature", FEATURES)
 @pytest.mark.parametrize("split", [False, True], ids=["one-group", "a-group-per-length"])
-def test_groups_match_the_reference(dtype, causal, feature, split, monkeypatch):
+@pytest.mark.parametrize("host", [True, False], ids=["host-indices", "tensor-indices"])
+def test_groups_match_the_reference(dtype, causal, feature, split, host, monkeypatch):
     if split:  # no padding is worth a call: each length is its own group
         monkeypatch.setitem(torch_sdpa.CALL_COST, "cpu", 0)
+    if not host:  # the indices of every batch built by tensor ops
+        monkeypatch.setattr(torch_sdpa, "HOST_INDEX_SLOTS", 0)
     spec = _spec(causal, dtype, **_features(feature, causal))
     seed = FEATURES.index(feature) + 10 * causal + 100 * split
     out, ref, kernel = _run(spec, LENGTHS, seed, pad=3)
@@ -102,3 +105,31 @@ def test_a_sequence_joins_a_group_while_its_padding_costs_less_than_a_call():
     assert torch_sdpa._group_members((40, 39), unit, 78 * unit) == [[0], [1]]
     # longest first; empty sequences belong to no group
     assert torch_sdpa._group_members((2, 0, 5, 5), unit, 0) == [[2, 3], [0]]
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_host_and_tensor_indices_agree(seed, monkeypatch):
+    """Both ways of building a plan's gather indices give the same groups, on random batches
+    of one to many groups (zero-length sequences included)."""
+    gen = torch.Generator().manual_seed(seed)
+    count = int(torch.randint(2, 40, (), generator=gen))
+    lengths = tuple(int(n) for n in torch.randint(0, 70, (count,), generator=gen))
+    lengths = (*lengths, 5)  # at least one token
+    spec = _spec(causal=False)  # each group's mask is then its valid keys alone
+    params = ab.FMHAParams.from_lengths(lengths, device="cpu")
+    monkeypatch.setitem(torch_sdpa.CALL_COST, "cpu", 1 << (10 + 2 * seed))
+    monkeypatch.setattr(torch_sdpa, "HOST_INDEX_SLOTS", 1 << 30)
+    host_groups, host_take = torch_sdpa._groups(spec, params)
+    monkeypatch.setattr(torch_sdpa, "HOST_INDEX_SLOTS", 0)
+    tensor_groups, tensor_take = torch_sdpa._groups(spec, params)
+    assert torch.equal(host_take, tensor_take)
+    assert [(g.count, g.length) for g in host_groups] == [
+        (g.count, g.length) for g in tensor_groups
+    ]
+    for a, b in zip(host_groups, tensor_groups, strict=True):
+        assert torch.equal(a.gather, b.gather) and torch.equal(a.mask, b.mask)
+    # each packed row's slot reads that row and holds a real key; no other slot does
+    rows = torch.cat([g.gather for g in host_groups])
+    keys = torch.cat([g.mask.reshape(-1) for g in host_groups])
+    assert torch.equal(rows[host_take], torch.arange(params.token_q_num))
+    assert bool(keys[host_take].all()) and int(keys.sum()) == params.token_q_num

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import functools
+import itertools
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -38,8 +40,9 @@ def _as_int_list(name: str, values: Sequence[int] | torch.Tensor) -> list[int]:
 class FMHAParams:
     """Ragged-batch metadata for one no-cache prefill.
 
-    Build it with `FMHAParams.from_lengths`; every tensor is already int32 on the device the
-    QKV buffer lives on, so no backend converts or moves anything per layer.
+    Build it with `FMHAParams.from_lengths`; every tensor is int32 on the device the QKV
+    buffer lives on (``positions`` made on first use, once), so no backend converts or moves
+    anything per layer.
     """
 
     input_lengths: tuple[int, ...]
@@ -53,12 +56,23 @@ class FMHAParams:
     token_q_num: int
     """Valid query tokens; rows past this in the QKV buffer are padding."""
     token_kv_num: int
-    positions: torch.Tensor
-    """int32 ``[token_q_num]`` position of each token in its own sequence (restarts at 0)."""
     batch_size: int
     rows: int
     """Rows of the packed QKV buffer the engine hands over (``>= token_q_num``)."""
     device: torch.device
+
+    @functools.cached_property
+    def positions(self) -> torch.Tensor:
+        """int32 ``[token_q_num]`` position of each token in its own sequence (restarts at 0),
+        on the QKV device. Made on first use, once: only RoPE passes and some checks read it,
+        and a batch that never rotates pays nothing for it."""
+        total = self.token_q_num
+        positions = torch.arange(total, dtype=torch.int32)
+        lengths = self.input_lengths
+        if len(lengths) > 1:  # each sequence counts from 0: subtract its start from its rows
+            starts = torch.tensor(list(itertools.accumulate(lengths[:-1], initial=0)))
+            positions -= starts.repeat_interleave(torch.tensor(lengths), output_size=total).int()
+        return positions.to(self.device)
 
     @classmethod
     def from_lengths(
@@ -116,12 +130,8 @@ class FMHAParams:
         for n in lengths:
             cu.append(cu[-1] + n)
         host_cu = torch.tensor(cu, dtype=torch.int32)
-        positions = torch.arange(total, dtype=torch.int32)
-        if len(lengths) > 1:  # each sequence counts from 0: subtract its start from its rows
-            positions -= host_cu[:-1].repeat_interleave(torch.tensor(lengths), output_size=total)
         try:
             cu_tensor = host_cu.to(dev)
-            positions = positions.to(dev)
         except (RuntimeError, AssertionError) as exc:
             raise ParamsError(f"cannot place batch metadata on {dev}: {exc}") from None
         return cls(
@@ -132,7 +142,6 @@ class FMHAParams:
             max_seqlen_k=max(lengths),
             token_q_num=total,
             token_kv_num=total,
-            positions=positions,
             batch_size=len(lengths),
             rows=rows,
             device=cu_tensor.device,

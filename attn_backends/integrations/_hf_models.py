@@ -245,14 +245,16 @@ def config_facts(config: Any) -> ConfigFacts:
     """`ConfigFacts` of ``config``, kept by the content of every field they are read from (the
     config class, ``layer_types``, ``num_hidden_layers``, the padding-blind flags, of the text
     sub-config where the config has one): a config edited after loading gets its own."""
-    text = _text_config(config)
-    layer_types = getattr(text, "layer_types", None)  # untyped config
-    key = (
-        type(config),
-        tuple(str(k) for k in layer_types) if isinstance(layer_types, (list, tuple)) else None,
-        getattr(text, "num_hidden_layers", None),
-        *(bool(getattr(text, flag, False)) for flag in PADDING_BLIND_MIXERS),
-    )
+    key = _instance_key(config)
+    if key is None:
+        text = _text_config(config)
+        layer_types = getattr(text, "layer_types", None)  # untyped config
+        key = (
+            type(config),
+            tuple(str(k) for k in layer_types) if isinstance(layer_types, (list, tuple)) else None,
+            _hashable(getattr(text, "num_hidden_layers", None)),  # a dict on a few (LXMERT)
+            *(bool(getattr(text, flag, False)) for flag in PADDING_BLIND_MIXERS),
+        )
     found = _facts.get(key)
     if found is None:
         found = ConfigFacts(
@@ -266,6 +268,65 @@ def config_facts(config: Any) -> ConfigFacts:
                 _facts.clear()
             _facts[key] = found
     return found
+
+
+def _hashable(value: object) -> object:
+    """``value`` where it can be a key, else its repr (a config field's content either way)."""
+    try:
+        hash(value)
+    except TypeError:
+        return ("repr", type(value), repr(value))
+    return value
+
+
+_FACT_FIELDS = ("layer_types", "num_hidden_layers", *PADDING_BLIND_MIXERS)
+_NOT_PLAIN = object()
+_defaults: dict[type, tuple[object, ...] | object] = {}
+
+
+def _instance_key(config: Any) -> tuple[object, ...] | None:
+    """`config_facts`' key read from the instance dict (a transformers config's attribute
+    reads go through two ``__getattribute__`` layers, a microsecond or two each), where that
+    dict and the class's plain defaults are what those reads answer (`_class_defaults`), the
+    config has no text sub-config and no per-layer (heterogeneous) fields. None: read them
+    the slow way."""
+    cls = type(config)
+    defaults = _defaults.get(cls)
+    if defaults is None:
+        defaults = _defaults[cls] = _class_defaults(cls)
+    if not isinstance(defaults, tuple):
+        return None
+    try:
+        own = object.__getattribute__(config, "__dict__")
+    except AttributeError:
+        return None
+    if own.get("_heterogeneity_spec") is not None:
+        return None
+    if any(own.get(name) is not None for name in _TEXT_CONFIG_NAMES):
+        return None
+    values = [own.get(n, d) for n, d in zip(_FACT_FIELDS, defaults, strict=True)]
+    if isinstance(values[0], list):  # layer_types
+        values[0] = tuple(values[0])
+    return ("instance", cls, *map(_hashable, values))
+
+
+def _class_defaults(cls: type) -> tuple[object, ...] | object:
+    """The value a read of each of `_FACT_FIELDS` answers for an instance whose dict lacks it
+    (a plain class attribute, else None), when the reads answer the instance dict first: no
+    ``attribute_map`` alias, no descriptor (property) of those names, no ``get_text_config``
+    of its own, no ``__getattr__`` fallback. `_NOT_PLAIN` otherwise. Once per config class."""
+    import inspect
+
+    aliases = getattr(cls, "attribute_map", None) or {}
+    names = (*_FACT_FIELDS, *_TEXT_CONFIG_NAMES)
+    if any(name in aliases for name in names) or _names_beyond_instance(cls):
+        return _NOT_PLAIN
+    if inspect.getattr_static(cls, "__getattr__", None) is not None:
+        return _NOT_PLAIN
+    found = [inspect.getattr_static(cls, name, None) for name in _FACT_FIELDS]
+    if any(hasattr(type(value), "__get__") for value in found):
+        return _NOT_PLAIN
+    return tuple(found)
 
 
 # --- models that pick their attention module from a table by implementation name ---------

@@ -23,7 +23,9 @@ length built in ``prepare``; it copies Q/K/V per layer, which the reference back
 
 from __future__ import annotations
 
+import array
 import functools
+import itertools
 from dataclasses import dataclass
 
 import torch
@@ -147,29 +149,25 @@ def _spec_mask(spec: AttentionSpec, length: int, device: torch.device) -> torch.
     return None
 
 
+HOST_INDEX_SLOTS = 1024
+"""Padded slots up to which a plan writes its gather indices as host lists (a few µs plus
+tens of ns per slot); beyond, a fixed dozen tensor ops build them (`_indices`)."""
+
+
 def _groups(spec: AttentionSpec, params: FMHAParams) -> tuple[tuple[_Group, ...], torch.Tensor]:
     """The batch's groups, and where each packed row's output lands in their outputs laid
-    end to end; a few tensor ops per group, none per token."""
+    end to end; a few tensor ops for the whole batch, none per group or token."""
     lengths = params.input_lengths
     device = params.device
     unit = spec.num_heads * spec.head_dim
-    starts = [0]
-    for n in lengths:
-        starts.append(starts[-1] + n)
     members = _group_members(lengths, unit, CALL_COST.get(device.type, CALL_COST["cuda"]))
-    base = [0] * len(lengths)  # each sequence's first slot in the outputs laid end to end
+    rows, valid_keys, take = _indices(members, lengths, params.token_q_num, device)
     groups: list[_Group] = []
     offset = 0
     for group in members:
-        length = lengths[group[0]]
-        for slot, i in enumerate(group):
-            base[i] = offset + slot * length
-        offset += len(group) * length
-        first = torch.tensor([starts[i] for i in group], device=device)
-        size = torch.tensor([lengths[i] for i in group], device=device)
-        steps = torch.arange(length, device=device)
-        gather = first[:, None] + torch.minimum(steps[None, :], size[:, None] - 1)
-        valid = (steps[None, :] < size[:, None])[:, None, None, :]  # the padded keys hidden
+        count, length = len(group), lengths[group[0]]
+        cells = slice(offset, offset + count * length)
+        valid = valid_keys[cells].view(count, 1, 1, length)  # the padded keys hidden
         spec_mask = _spec_mask(spec, length, device)
         if spec_mask is None:
             mask = valid
@@ -177,11 +175,59 @@ def _groups(spec: AttentionSpec, params: FMHAParams) -> tuple[tuple[_Group, ...]
             mask = spec_mask & valid
         else:  # additive (ALiBi): the padded keys get -inf too
             mask = spec_mask.masked_fill(~valid, float("-inf"))
-        groups.append(_Group(gather.reshape(-1), mask, len(group), length))
-    counts = torch.tensor(lengths, device=device)
-    bases = torch.tensor(base, device=device)
-    take = bases.repeat_interleave(counts, output_size=params.token_q_num)
-    return tuple(groups), take + params.positions.to(torch.int64)
+        groups.append(_Group(rows[cells], mask, count, length))
+        offset += count * length
+    return tuple(groups), take
+
+
+def _indices(
+    members: list[list[int]], lengths: tuple[int, ...], tokens: int, device: torch.device
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """For the groups' slots laid end to end (each sequence padded to its group's length, in
+    group order): the packed row each slot reads (a padded slot repeats its sequence's last
+    row), whether it holds a real key, and each packed row's slot."""
+    starts = list(itertools.accumulate(lengths, initial=0))
+    order = [i for group in members for i in group]
+    padded = [lengths[group[0]] for group in members for _ in group]
+    slots = list(itertools.accumulate(padded, initial=0))
+    if slots[-1] <= HOST_INDEX_SLOTS:
+        gather: list[int] = []
+        keys = bytearray()
+        take = [0] * tokens
+        for i, length in zip(order, padded, strict=True):
+            first, size = starts[i], lengths[i]
+            take[first : first + size] = range(len(gather), len(gather) + size)
+            gather += range(first, first + size)
+            gather += [first + size - 1] * (length - size)
+            keys += b"\x01" * size + b"\x00" * (length - size)
+        return (
+            _host_tensor(array.array("q", gather), torch.int64, device),
+            _host_tensor(keys, torch.bool, device),
+            _host_tensor(array.array("q", take), torch.int64, device),
+        )
+    shift = [0] * len(lengths)  # slot minus packed row, per sequence
+    for at, i in zip(slots, order, strict=False):
+        shift[i] = at - starts[i]
+    first, last, base, width = torch.tensor(
+        [[starts[i] for i in order], [lengths[i] - 1 for i in order], slots[:-1], padded],
+        dtype=torch.int64,
+    ).to(device)
+    seq = torch.repeat_interleave(width, output_size=slots[-1])  # each slot's sequence
+    offset = torch.arange(slots[-1], device=device) - base[seq]
+    last_of = last[seq]
+    rows = first[seq] + torch.minimum(offset, last_of)
+    per_row = torch.tensor([shift, list(lengths)], dtype=torch.int64).to(device)
+    slot_of = torch.repeat_interleave(per_row[0], per_row[1], output_size=tokens)
+    return rows, offset <= last_of, slot_of + torch.arange(tokens, device=device)
+
+
+def _host_tensor(
+    values: array.array[int] | bytearray, dtype: torch.dtype, device: torch.device
+) -> torch.Tensor:
+    """A host buffer as a tensor on ``device``, read in place (``torch.tensor`` on a list
+    converts element by element, several times slower)."""
+    host = torch.frombuffer(values, dtype=dtype)
+    return host if device.type == "cpu" else host.to(device)
 
 
 class TorchSdpaBackend(PrefillBackend):
