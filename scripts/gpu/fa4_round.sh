@@ -15,15 +15,7 @@ mkdir -p "$out"
 if [ "$part" = 1 ] || [ -f /tmp/fa4/cu13.sha ]; then  # part 2: fa4 too where it was carried
     . scripts/gpu/install-fa4.sh >>"$out/setup.log" 2>&1 || { cat "$out/setup.log"; exit 1; }
 fi
-export PYTHONUNBUFFERED=1
-start=$(date +%s)
-step() { echo "[$(($(date +%s) - start)) s] $*" | tee -a "$out/steps.log"; }
-boxed() {  # boxed SECONDS NAME COMMAND...: the command's output in OUT/NAME.log
-    local seconds=$1 name=$2
-    shift 2
-    timeout "$seconds" "$@" >"$out/$name.log" 2>&1
-    step "$name rc=$?"
-}
+. scripts/gpu/boxed.sh  # step, boxed
 
 step "part $part on $(nvidia-smi --query-gpu=name,driver_version --format=csv,noheader)"
 python3 -c "import torch, transformers, sentence_transformers as s, importlib.metadata as m; \

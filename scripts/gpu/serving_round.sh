@@ -10,15 +10,7 @@ part=${1:?usage: scripts/gpu/serving_round.sh 1|2 OUT}
 out=${2:?usage: scripts/gpu/serving_round.sh 1|2 OUT}
 mkdir -p "$out"
 . scripts/gpu/setup.sh || exit 1
-export PYTHONUNBUFFERED=1
-start=$(date +%s)
-step() { echo "[$(($(date +%s) - start)) s] $*" | tee -a "$out/steps.log"; }
-boxed() {  # boxed SECONDS NAME COMMAND...: the command's output in OUT/NAME.log
-    local seconds=$1 name=$2
-    shift 2
-    timeout "$seconds" "$@" >"$out/$name.log" 2>&1
-    step "$name rc=$?"
-}
+. scripts/gpu/boxed.sh  # step, boxed
 
 step "part $part on $(nvidia-smi --query-gpu=name,driver_version --format=csv,noheader)"
 python3 -c "import torch, transformers, sentence_transformers as s; print(torch.__version__, \
