@@ -280,6 +280,8 @@ def _hashable(value: object) -> object:
 
 
 _FACT_FIELDS = ("layer_types", "num_hidden_layers", *PADDING_BLIND_MIXERS)
+_PLAIN_DEFAULTS = (type(None), bool, int, str, list, tuple)
+"""Class defaults an instance read returns as they are (no descriptor among them)."""
 _NOT_PLAIN = object()
 _defaults: dict[type, tuple[object, ...] | object] = {}
 
@@ -324,8 +326,8 @@ def _class_defaults(cls: type) -> tuple[object, ...] | object:
     if inspect.getattr_static(cls, "__getattr__", None) is not None:
         return _NOT_PLAIN
     found = [inspect.getattr_static(cls, name, None) for name in _FACT_FIELDS]
-    if any(hasattr(type(value), "__get__") for value in found):
-        return _NOT_PLAIN
+    if not all(isinstance(value, _PLAIN_DEFAULTS) for value in found):
+        return _NOT_PLAIN  # a property, a method, or an object that may be one
     return tuple(found)
 
 
