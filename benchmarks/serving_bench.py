@@ -39,6 +39,8 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import importlib
+import importlib.metadata
 import importlib.util
 import json
 import math
@@ -451,22 +453,19 @@ def host_per_layer(paths: Paths, batch: list[str], encodes: int = 10) -> dict[st
 def flash_implementation() -> str | None:
     """transformers' name for the flash kernel sentence-transformers' own packed path can run
     on here: ``flash_attention_4`` where flash-attn-4 imports (its CuTe DSL included), else
-    ``flash_attention_2`` where flash-attn 2 does; None without either."""
+    ``flash_attention_2`` where the flash-attn 2 distribution is installed; None without
+    either."""
     try:
-        import flash_attn.cute  # flash-attn-4 interface: the import is the check
-
-        return "flash_attention_4"
+        importlib.import_module("flash_attn.cute")  # flash-attn-4's interface
     except Exception:  # absent, or present without the DSL it needs
         pass
-    if importlib.util.find_spec("flash_attn") is not None:
-        try:
-            import flash_attn
-
-            if str(getattr(flash_attn, "__version__", "")).startswith("2."):
-                return "flash_attention_2"
-        except Exception:
-            return None
-    return None
+    else:
+        return "flash_attention_4"
+    try:
+        version = importlib.metadata.version("flash-attn")
+    except importlib.metadata.PackageNotFoundError:
+        return None
+    return "flash_attention_2" if version.startswith("2.") else None
 
 
 PATHS = (

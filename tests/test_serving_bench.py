@@ -124,3 +124,32 @@ def test_paths_option_times_only_the_paths_asked_and_always_the_reference(tmp_pa
     assert all(status[p] == "skipped: not in --paths" for p in bench.PATHS[2:])
     with pytest.raises(SystemExit):
         bench.main([*args, "--paths", "st-packed,nope"])
+
+
+def test_the_flash_baseline_runs_on_flash_attention_4_where_it_imports(monkeypatch):
+    bench = _load()
+    metadata = bench.importlib.metadata
+
+    def imports(name):
+        if name != "flash_attn.cute":
+            raise AssertionError(name)
+        return object()
+
+    def fails(name):
+        raise ModuleNotFoundError("No module named 'cutlass.cute'")
+
+    def fa2(name):
+        if name != "flash-attn":
+            raise AssertionError(name)
+        return "2.8.3"
+
+    def none(name):
+        raise metadata.PackageNotFoundError(name)
+
+    monkeypatch.setattr(bench.importlib, "import_module", imports)
+    assert bench.flash_implementation() == "flash_attention_4"
+    monkeypatch.setattr(bench.importlib, "import_module", fails)
+    monkeypatch.setattr(metadata, "version", fa2)
+    assert bench.flash_implementation() == "flash_attention_2"
+    monkeypatch.setattr(metadata, "version", none)
+    assert bench.flash_implementation() is None
