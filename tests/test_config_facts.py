@@ -11,6 +11,7 @@ pytest.importorskip("transformers")
 
 import transformers
 
+from attn_backends.errors import IntegrationError
 from attn_backends.integrations import _hf_models
 
 
@@ -38,8 +39,8 @@ def test_every_default_config_gets_the_facts_its_attribute_reads_give(monkeypatc
     for name, config in _default_configs():
         try:
             slow = _slow(config, monkeypatch)
-        except ValueError:  # get_text_config() finds two text configs (MusicGen): both raise
-            with pytest.raises(ValueError, match="text configs"):
+        except IntegrationError:  # two text configs (MusicGen): refused by name both ways
+            with pytest.raises(IntegrationError, match="more than one text config"):
                 _hf_models.config_facts(config)
             continue
         assert _hf_models.config_facts(config) == slow, name
@@ -92,3 +93,9 @@ def test_a_composite_config_is_read_through_its_text_config(monkeypatch):
     config = transformers.Gemma3Config()
     assert _hf_models._instance_key(config) is None
     assert _hf_models.config_facts(config) == _slow(config, monkeypatch)
+
+
+def test_a_config_of_two_text_configs_is_refused_by_name():
+    config = transformers.MusicgenConfig()  # text_encoder and decoder: get_text_config() fails
+    with pytest.raises(IntegrationError, match=r"Musicgen\w*: its config holds more than one"):
+        _hf_models.config_facts(config)

@@ -179,7 +179,15 @@ def _text_config(config: Any) -> Any:
             found = [own[name] for name in _TEXT_CONFIG_NAMES if own.get(name) is not None]
             if len(found) <= 1:
                 return found[0] if found else config
-        return config.get_text_config()
+        try:
+            return config.get_text_config()
+        except ValueError as exc:  # several text configs (MusicGen: text_encoder and decoder)
+            raise IntegrationError(
+                f"{model_name(config)}: its config holds more than one text config, so which "
+                f"one describes the attention layers is ambiguous (transformers: {exc}); "
+                "attn_backends serves one self-attention stack per call: call the sub-model "
+                "itself, or load it with attn_implementation='sdpa' or 'eager'"
+            ) from exc
     return config
 
 
