@@ -44,7 +44,7 @@ from ._checks import unpack_packed as unpack_packed
 from ._checks import unpack_tuple as unpack_tuple
 from ._geometry import MEMO_SLOTS as MEMO_SLOTS
 from ._geometry import BufferMemo as BufferMemo
-from ._geometry import Geometry, make_geometry
+from ._geometry import Geometry, Signature, make_geometry
 from ._geometry import InputLayout as InputLayout
 from ._geometry import buffer_signature as buffer_signature
 from ._geometry import cut as cut
@@ -399,6 +399,8 @@ class ForwardPath:
         self, qkv: object, plan: AnyPlan
     ) -> tuple[torch.Tensor | None, SeparateQKV | None, Geometry]:
         """A tuple input: the packed buffer it carries, or separate ``(q, k, v)``."""
+        signature: Signature | None = None
+        signed = False  # whether `signature` is already that of these three tensors
         if type(qkv) is tuple and len(qkv) == 3 and type(plan) is PrefillPlan:
             q, k, v = qkv
             if type(q) is torch.Tensor and type(k) is torch.Tensor and type(v) is torch.Tensor:
@@ -408,6 +410,7 @@ class ForwardPath:
                 signature = separate_signature(
                     given, writes=plan.rotates, addresses=self._reads_addresses
                 )
+                signed = True
                 seen = plan.memo.get(signature) if signature is not None else None
                 if seen is not None:
                     return None, given, seen
@@ -421,7 +424,10 @@ class ForwardPath:
                 "separate (q, k, v) tensors with a graph plan",
                 "the packed buffer in graph mode (a captured graph reads one fixed buffer)",
             )
-        signature = separate_signature(first, writes=plan.rotates, addresses=self._reads_addresses)
+        if not signed:  # else the same three tensors were signed above (a memo miss)
+            signature = separate_signature(
+                first, writes=plan.rotates, addresses=self._reads_addresses
+            )
         if signature is None:
             return None, first, self._separate_geometry(first, plan)
         seen = plan.memo.get(signature)
