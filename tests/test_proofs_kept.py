@@ -152,5 +152,54 @@ def test_positions_proof_agrees_with_the_full_rule(positions, counts):
     assert _hf_proof.positions_split_at(row, starts, strict=False) is counts
     reads = (("positions", row[None]),)
     assert _hf_proof._reads_match_segments(reads, layout) is counts
-    shared_offset = bool(torch.equal(row - row[0], layout.params.positions.to(row.dtype)))
-    assert _hf_proof._counts_from_one_start(row, layout) is shared_offset
+
+
+def _counts_by_hand(row: list[int], starts: list[int], *, strict: bool) -> bool:
+    """`positions_split_at`'s rule, token by token on host ints."""
+    boundary = set(starts[1:])
+    for t in range(1, len(row)):
+        counts = row[t] == row[t - 1] + 1
+        if t not in boundary and not counts:
+            return False
+        if strict and t in boundary and counts:
+            return False
+    return True
+
+
+def test_positions_rule_equals_the_rule_by_hand_on_random_rows():
+    gen = torch.Generator().manual_seed(7)
+    for _ in range(300):
+        lengths = torch.randint(
+            1, 6, (int(torch.randint(1, 5, (1,), generator=gen)),), generator=gen
+        )
+        starts = [0, *torch.cumsum(lengths, 0)[:-1].tolist()]
+        seq = int(lengths.sum())
+        kind = int(torch.randint(0, 4, (1,), generator=gen))
+        if kind == 0:  # restarting per sequence at a shared offset
+            row = torch.cat([torch.arange(int(n)) for n in lengths]) + int(
+                torch.randint(0, 3, (1,), generator=gen)
+            )
+        elif kind == 1:  # counting through the boundaries
+            row = torch.arange(seq)
+        elif kind == 2:  # each sequence its own start
+            row = torch.cat(
+                [
+                    torch.arange(int(n)) + int(torch.randint(0, 9, (1,), generator=gen))
+                    for n in lengths
+                ]
+            )
+        else:  # noise
+            row = torch.randint(0, 4, (seq,), generator=gen)
+        for strict in (False, True):
+            expected = _counts_by_hand(row.tolist(), starts, strict=strict)
+            assert _hf_proof.positions_split_at(row, starts, strict=strict) is expected
+
+
+def test_positions_that_cannot_count_prove_nothing():
+    starts = [0, 2]
+    assert (
+        _hf_proof.positions_split_at(torch.tensor([True, True, True]), starts, strict=False)
+        is False
+    )
+    # an empty sequence at either end adds no step to check
+    assert _hf_proof.positions_split_at(torch.tensor([0, 1, 0]), [0, 0, 2, 3], strict=True) is True

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import array
 import functools
 import itertools
 from collections.abc import Sequence
@@ -12,6 +13,8 @@ import torch
 from ._errors import ParamsError
 
 _INT32_MAX = 2**31 - 1
+_INT32_CODE = next(code for code in "ilh" if array.array(code).itemsize == 4)
+"""The `array` type code of a 32-bit int on this platform."""
 
 
 def _as_int_list(name: str, values: Sequence[int] | torch.Tensor) -> list[int]:
@@ -126,10 +129,10 @@ class FMHAParams:
         except (RuntimeError, TypeError) as exc:
             raise ParamsError(f"device {device!r} is not a torch device: {exc}") from None
 
-        cu = [0]
-        for n in lengths:
-            cu.append(cu[-1] + n)
-        host_cu = torch.tensor(cu, dtype=torch.int32)
+        # read in place from a host buffer: torch.tensor converts a list element by element
+        host_cu = torch.frombuffer(
+            array.array(_INT32_CODE, itertools.accumulate(lengths, initial=0)), dtype=torch.int32
+        )
         try:
             cu_tensor = host_cu.to(dev)
         except (RuntimeError, AssertionError) as exc:

@@ -128,24 +128,19 @@ def _contiguous(valid: torch.Tensor | None) -> bool:
 def positions_split_at(row: torch.Tensor, starts: list[int], *, strict: bool) -> bool:
     """Whether position ids ``row`` count up by one inside every sequence starting at
     ``starts`` (the first at 0); ``strict``: and break that count at every later start, as
-    transformers finds packed sequences in them."""
-    seq = row.shape[0]
-    inside = torch.ones(max(seq - 1, 0), dtype=torch.bool, device=row.device)
-    inside[[s - 1 for s in starts[1:]]] = False  # the steps across a boundary
-    step = row[1:] - row[:-1] == 1
-    if strict:
-        return bool((step == inside).all())
-    return bool((step | ~inside).all())
-
-
-def _counts_from_one_start(row: torch.Tensor, layout: BatchLayout) -> bool:
-    """Whether position ids ``row`` are each token's place in its own sequence plus one
-    offset shared by all of them (what a collator writes, RoBERTa's ``padding_idx + 1``
-    included): enough for `positions_split_at`'s loose rule, in three tensor operations."""
-    if row.dtype.is_floating_point or row.dtype == torch.bool or row.device != layout.params.device:
+    transformers finds packed sequences in them. Four tensor operations and one host read of
+    the steps that do not count up (a handful per batch: at most one per sequence where the
+    rule holds), whatever the row's length; positions that cannot count (bool, complex) do
+    not."""
+    dtype = row.dtype
+    if dtype == torch.bool or dtype.is_complex:
         return False
-    expected = layout.params.positions.to(row.dtype)
-    return torch.equal(row - row[:1], expected)
+    seq = row.shape[0]
+    breaks = (row[1:] - row[:-1] != 1).nonzero().flatten().tolist()  # step i: i -> i + 1
+    boundaries = {s - 1 for s in starts[1:] if 0 < s < seq}
+    if strict:
+        return set(breaks) == boundaries
+    return all(i in boundaries for i in breaks)
 
 
 def _reads_match_segments(data: tuple[tuple[str, Any], ...], layout: BatchLayout) -> bool:
@@ -162,13 +157,11 @@ def _reads_match_segments(data: tuple[tuple[str, Any], ...], layout: BatchLayout
             return False
         row = tensor[0]
         if role == "ids":
-            changes = (row[1:] != row[:-1]).nonzero().flatten() + 1
-            if changes.tolist() != starts[1:]:
+            changes = (row[1:] != row[:-1]).nonzero().flatten().tolist()  # step i: i -> i + 1
+            if changes != [s - 1 for s in starts[1:]]:
                 return False
         elif role == "positions":
-            if not _counts_from_one_start(row, layout) and not positions_split_at(
-                row, starts, strict=False
-            ):
+            if not positions_split_at(row, starts, strict=False):
                 return False
         else:
             return False
