@@ -302,6 +302,24 @@ def test_a_first_batch_of_one_sequence_proves_nothing_about_boundaries():
         runner(two, cu_two)
 
 
+def test_one_sequence_batches_are_proved_once_and_several_again():
+    """The class of one-sequence batches is proved by the first through the integration; the
+    next ones of other lengths are bucketed without running the model twice (every one did
+    before), and still equal each sequence alone. A first batch of several is proved anew."""
+    model, ref = _models("xlmr")
+    runner = GraphRunner(model, [SMALL])
+    for seed, lengths in enumerate([(6,), (17,), (1,), (32,)]):
+        seqs, ids, cu = _batch(lengths, seed)
+        _check(runner(ids, cu), seqs, cu, _reference(ref, seqs, 2), 1e-5)
+    assert (runner.stats.proved, runner.stats.bucketed, runner.stats.eager) == (1, 4, 0)
+    seqs, ids, cu = _batch((5, 9), 9)
+    _check(runner(ids, cu), seqs, cu, _reference(ref, seqs, 2), 1e-5)
+    assert (runner.stats.proved, runner.stats.bucketed) == (2, 5)
+    seqs, ids, cu = _batch((20,), 10)
+    _check(runner(ids, cu), seqs, cu, _reference(ref, seqs, 2), 1e-5)
+    assert (runner.stats.proved, runner.stats.bucketed) == (2, 6)
+
+
 def test_unpack_hidden_accepts_a_runners_output():
     """The runner proved its boundaries (the integration's checks on a batch of several), so
     the caller's cu_seq_lens unpack its output (they were refused: "no attention layer

@@ -91,7 +91,8 @@ class RunnerStats:
     """Batches no bucket fits, run through the integration."""
     proved: int = 0
     """Batches run through the integration first, to prove what the buckets then serve (the
-    first of several sequences, and the first after the model changed)."""
+    first batch of one sequence, the first of several, and the first after the model
+    changed)."""
     buckets: list[GraphBucket | None] = field(default_factory=list)
     """The bucket of every batch, in order (None: eager)."""
 
@@ -262,6 +263,11 @@ class GraphRunner:
         self._states: dict[GraphBucket, _BucketState] = {}
         self._pool: Any = None
         self._checked = False
+        """A batch of several sequences ran through the integration since the buckets were
+        last dropped: the class of packed batches is proved."""
+        self._proved_one = False
+        """A batch (of one sequence or more) ran through the integration since the buckets
+        were last dropped: the class of one-sequence batches is proved."""
         self._proofs: frozenset[_hf_proof.MaskProof] = frozenset()
         """What the batches the integration checked proved of the model's mask (`_hf_proof`):
         every bucketed layer call must be covered by one of them."""
@@ -365,19 +371,22 @@ class GraphRunner:
         bucket = self.bucket_for(lengths)
         self.stats.buckets.append(bucket)
         mixers = _hf_models.config_facts(self.model.config).mixers
-        if bucket is None or not self._checked or mixers:
+        several = len(lengths) > 1
+        # a batch of one sequence has no boundary to prove: its class is proved by any batch
+        # through the integration; the model's keeping sequences apart (and the integration's
+        # refusals of models that mix them) only by a batch of several
+        proved = self._checked or (self._proved_one and not several)
+        if bucket is None or not proved or mixers:
             # a model with token mixers outside attention would read a bucket's padding rows
             # as tokens: every batch runs through the integration (which refuses packed rows
             # of several sequences for it, and serves one sequence exactly)
             hidden = self._eager(input_ids, position_ids, bounds)
-            if not self._checked and bucket is not None and not mixers:
-                self.stats.proved += 1
-            # a batch of one sequence has no boundary to prove: the model's keeping sequences
-            # apart (and the integration's refusals of models that mix them) is proved by the
-            # first batch of several, which runs through the integration like this one
-            if not self._checked and not mixers:  # what the buckets may serve, until proved
+            if not proved and not mixers:  # what the buckets may serve, until proved
+                if bucket is not None:
+                    self.stats.proved += 1
                 self._proofs = _hf_proof.model_proofs(self.model)
-            self._checked = self._checked or len(lengths) > 1
+            self._checked = self._checked or several
+            self._proved_one = True
             if bucket is None or mixers:
                 self.stats.eager += 1
                 return self._served(hidden, cu_seq_lens)
@@ -418,7 +427,7 @@ class GraphRunner:
         next batch runs through the integration again and is proved anew."""
         logger.info("GraphRunner: %s; its buckets are dropped and re-proved", why)
         self._states.clear()
-        self._checked = False
+        self._checked = self._proved_one = False
         self._proofs = frozenset()
         self._watch()
 
