@@ -262,12 +262,10 @@ class GraphRunner:
         self.stats = RunnerStats()
         self._states: dict[GraphBucket, _BucketState] = {}
         self._pool: Any = None
-        self._checked = False
-        """A batch of several sequences ran through the integration since the buckets were
-        last dropped: the class of packed batches is proved."""
-        self._proved_one = False
-        """A batch (of one sequence or more) ran through the integration since the buckets
-        were last dropped: the class of one-sequence batches is proved."""
+        self._proved_class = 0
+        """The widest class of batch run through the integration since the buckets were last
+        dropped: 0 none, 1 one sequence, 2 several (a batch of several proves what one of one
+        does, and the model's keeping sequences apart besides)."""
         self._proofs: frozenset[_hf_proof.MaskProof] = frozenset()
         """What the batches the integration checked proved of the model's mask (`_hf_proof`):
         every bucketed layer call must be covered by one of them."""
@@ -371,11 +369,11 @@ class GraphRunner:
         bucket = self.bucket_for(lengths)
         self.stats.buckets.append(bucket)
         mixers = _hf_models.config_facts(self.model.config).mixers
-        several = len(lengths) > 1
         # a batch of one sequence has no boundary to prove: its class is proved by any batch
         # through the integration; the model's keeping sequences apart (and the integration's
         # refusals of models that mix them) only by a batch of several
-        proved = self._checked or (self._proved_one and not several)
+        batch_class = min(len(lengths), 2)
+        proved = self._proved_class >= batch_class
         if bucket is None or not proved or mixers:
             # a model with token mixers outside attention would read a bucket's padding rows
             # as tokens: every batch runs through the integration (which refuses packed rows
@@ -385,8 +383,7 @@ class GraphRunner:
                 if bucket is not None:
                     self.stats.proved += 1
                 self._proofs = _hf_proof.model_proofs(self.model)
-            self._checked = self._checked or several
-            self._proved_one = True
+            self._proved_class = max(self._proved_class, batch_class)
             if bucket is None or mixers:
                 self.stats.eager += 1
                 return self._served(hidden, cu_seq_lens)
@@ -427,7 +424,7 @@ class GraphRunner:
         next batch runs through the integration again and is proved anew."""
         logger.info("GraphRunner: %s; its buckets are dropped and re-proved", why)
         self._states.clear()
-        self._checked = self._proved_one = False
+        self._proved_class = 0
         self._proofs = frozenset()
         self._watch()
 
