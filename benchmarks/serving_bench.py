@@ -413,10 +413,17 @@ def host_per_layer(paths: Paths, batch: list[str], encodes: int = 10) -> dict[st
     """The integration's host time per attention layer call beyond the kernel, for the packed
     path (CPU: the kernel's own time is its host time, so it is taken out): the mask hook, the
     attention hook minus the backend's ``forward``, and ``forward`` minus the kernel call
-    (``attend``), averaged over ``encodes`` encodes."""
+    (``attend``), averaged over ``encodes`` encodes.
+
+    Also how much of those encodes the check of the model's mask takes: the full check
+    (`_hf_mask.check_mask`, transformers' mask function evaluated against the library's) and
+    the per-forward comparison with the proof that lets later batches skip it
+    (`_hf_proof.mask_proof` and `proved`), as calls per forward and shares of the encodes'
+    wall time (synchronised at the end of each)."""
     from transformers import AttentionInterface
     from transformers.masking_utils import AttentionMaskInterface
 
+    from attn_backends.integrations import _hf_mask, _hf_proof
     from attn_backends.integrations.transformers import clear_layout_cache, decisions
 
     model = paths.packed
@@ -430,14 +437,31 @@ def host_per_layer(paths: Paths, batch: list[str], encodes: int = 10) -> dict[st
     attention = AttentionInterface._global_mapping
     masks = AttentionMaskInterface._global_mapping
     original_attention, original_mask = attention[name], masks[name]
+    check: list[float] = []
+    proof: list[float] = []
+    encode_s = 0.0
+    forwards: list[None] = []
+    # one embedding call per forward (sentence-transformers calls the model's forward directly,
+    # past the model's own hooks)
+    embed = model[0].model.get_input_embeddings()
+    counting = embed.register_forward_pre_hook(lambda *_: forwards.append(None))
     attention[name], masks[name] = _timing(original_attention, hook), _timing(original_mask, mask)
     try:
-        with _timed(backend_class, "forward", forward), _timed(backend_class, "attend", kernel):
+        with contextlib.ExitStack() as timed:
+            timed.enter_context(_timed(backend_class, "forward", forward))
+            timed.enter_context(_timed(backend_class, "attend", kernel))
+            timed.enter_context(_timed(_hf_mask, "check_mask", check))
+            timed.enter_context(_timed(_hf_proof, "mask_proof", proof))
+            timed.enter_context(_timed(_hf_proof, "proved", proof))
             for _ in range(encodes):
                 clear_layout_cache()  # as the timed st-packed runs: new boundaries each batch
+                start = time.perf_counter()
                 model.encode(batch, batch_size=paths.batch_size, convert_to_tensor=True)
+                _sync(paths.device)
+                encode_s += time.perf_counter() - start
     finally:
         attention[name], masks[name] = original_attention, original_mask
+        counting.remove()
     calls = max(1, len(hook))
     us = 1e6 / calls
     parts = {
@@ -447,6 +471,9 @@ def host_per_layer(paths: Paths, batch: list[str], encodes: int = 10) -> dict[st
     }
     parts["total"] = sum(parts.values())
     parts["calls"] = float(calls)
+    parts["mask_checks_per_forward"] = len(check) / max(1, len(forwards))
+    parts["mask_check_share"] = sum(check) / encode_s if encode_s else 0.0
+    parts["proof_check_share"] = sum(proof) / encode_s if encode_s else 0.0
     return parts
 
 
@@ -775,14 +802,21 @@ def _markdown(report: list[dict[str, Any]], device: torch.device) -> str:
             "profiled encode after the timed ones):",
             "",
             "| model | workload | mask hook per layer | attention hook around the backend "
-            "| backend path around the kernel | total beyond the kernel |",
-            "|---|---|---:|---:|---:|---:|",
+            "| backend path around the kernel | total beyond the kernel "
+            "| mask checks per forward | mask check share | proof check share |",
+            "|---|---|---:|---:|---:|---:|---:|---:|---:|",
         ]
         for r in hosts:
             h = r["extra"]["host_us_per_layer"]
+            shares = (
+                f"{h['mask_checks_per_forward']:.2f} | {100 * h['mask_check_share']:.2f}% | "
+                f"{100 * h['proof_check_share']:.2f}%"
+                if "mask_check_share" in h
+                else " | | "  # a report written before these columns
+            )
             lines.append(
                 f"| {r['model']} | {r['workload']} | {h['mask_hook']:.1f} | {h['hook']:.1f} | "
-                f"{h['backend_path']:.1f} | {h['total']:.1f} |"
+                f"{h['backend_path']:.1f} | {h['total']:.1f} | {shares} |"
             )
     return "\n".join(lines) + "\n"
 

@@ -93,8 +93,28 @@ def test_cpu_tiny_mode_reports_the_ratio_and_the_host_time_beyond_the_kernel(tmp
     parts = ("mask_hook", "hook", "backend_path")
     assert all(host[k] >= 0 for k in parts), host
     assert host["total"] == pytest.approx(sum(host[k] for k in parts))
+    # BGE-M3's packed mask is proved by its first forward: the profiled encodes (new boundaries
+    # each) compare their proof and never run the full check again
+    assert host["mask_checks_per_forward"] == 0, host
+    assert host["mask_check_share"] == 0 and 0 < host["proof_check_share"] < 1, host
     table = (tmp_path / "serving_bench.md").read_text()
     assert "| time / st-padded-sdpa |" in table and "total beyond the kernel" in table
+    assert "| mask checks per forward | mask check share | proof check share |" in table
+
+
+def test_the_host_profile_counts_the_mask_checks_a_batch_cannot_skip(tmp_path, monkeypatch):
+    """A check that runs every forward is counted once per forward (the proof dropped before
+    each call, so no batch is proved by an earlier one)."""
+    bench = _load()
+    from attn_backends.integrations import _hf_proof
+
+    monkeypatch.setattr(_hf_proof, "proved", lambda module, proof: False)
+    case = bench._cases()["bge-m3"]
+    st_dir = bench.build_model("bge-m3", case, tmp_path, True, 64)
+    paths = bench.Paths(st_dir, case, bench.torch.device("cpu"), True)
+    host = bench.host_per_layer(paths, bench.texts(8, 8, 40, 1), encodes=3)
+    assert host["mask_checks_per_forward"] == 1, host
+    assert 0 < host["mask_check_share"] < 1, host
 
 
 def test_a_timed_inherited_method_is_inherited_again_afterwards():

@@ -5,9 +5,12 @@
 #
 #     scripts/gpu/serving_round.sh 1 "$OUT"   # BGE-M3: every workload; a larger batch; API-raw
 #     scripts/gpu/serving_round.sh 2 "$OUT"   # the other models' 1 and 32 queries; GPU tests
+#     scripts/gpu/serving_round.sh 3 "$OUT"   # the contract's host time per call (flashinfer,
+#                                             # torch-varlen); BGE-M3's mask-check share
+#     scripts/gpu/serving_round.sh 4 "$OUT"   # EmbeddingGemma's mask-check share
 set -u
-part=${1:?usage: scripts/gpu/serving_round.sh 1|2 OUT}
-out=${2:?usage: scripts/gpu/serving_round.sh 1|2 OUT}
+part=${1:?usage: scripts/gpu/serving_round.sh 1|2|3|4 OUT}
+out=${2:?usage: scripts/gpu/serving_round.sh 1|2|3|4 OUT}
 mkdir -p "$out"
 . scripts/gpu/setup.sh || exit 1
 . scripts/gpu/boxed.sh  # step, boxed
@@ -32,8 +35,28 @@ case "$part" in
     boxed 150 gpu-graph-runner python3 -m pytest -q -p no:cacheprovider -rfE \
         tests/gpu/test_graph_runner_gpu.py
     ;;
+3)
+    # BGE-M3's heads; 4 queries of 32 tokens, 64 texts of 16..512 (one JSON line per log)
+    documents=$(python3 -c 'import random; r = random.Random(0); \
+print(",".join(str(r.randint(16, 512)) for _ in range(64)))')
+    for backend in flashinfer torch-varlen; do
+        boxed 90 "contract-$backend-queries" python3 benchmarks/contract_host.py \
+            --backend "$backend" --heads 16 --head-dim 64 --lengths 32,32,32,32
+        boxed 60 "contract-$backend-documents" python3 benchmarks/contract_host.py \
+            --backend "$backend" --heads 16 --head-dim 64 --lengths "$documents" --calls 500
+    done
+    boxed 240 serving-bge-host python3 benchmarks/serving_bench.py --out "$out/serving-bge-host" \
+        --models bge-m3 --workloads "queries 8,queries 1,documents" --paths st-packed \
+        --repeats 5 --host-time
+    ;;
+4)
+    # flashinfer's head-dim-256 JIT build comes first: minutes on a fresh machine
+    boxed 540 serving-gemma python3 benchmarks/serving_bench.py --out "$out/serving-gemma" \
+        --models embeddinggemma --workloads "queries 8,queries 1,documents" \
+        --paths st-packed --repeats 5 --host-time
+    ;;
 *)
-    echo "part must be 1 or 2, got $part" >&2
+    echo "part must be 1, 2, 3 or 4, got $part" >&2
     exit 2
     ;;
 esac
