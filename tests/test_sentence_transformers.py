@@ -285,6 +285,8 @@ def test_encode_is_packed_and_equals_the_padded_sdpa_output(st_dirs, name):
     ref = _reference(path)
     ours = abst.load(str(path))
     assert ours[0].can_flatten_inputs
+    # the collator that builds transformers' flattening output in tensor ops (test_st_collator)
+    assert type(ours[0].data_collator).__name__ == "FlatteningCollator"
     for method, prompt in (
         ("encode", ""),
         ("encode_query", "w1 w2 w3 "),

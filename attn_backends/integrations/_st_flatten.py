@@ -11,8 +11,9 @@ the attention implementation's name says "flash" and a flash varlen function can
 serves exactly those kwargs.
 
 `enable_flattening` checks sentence-transformers' other prerequisites and sets the module up as
-that method does once its flash checks pass: the same collator, the same filter keys, the
-module's own position-offset inference. Everything after that (tokenising without padding,
+that method does once its flash checks pass: the same collator's output (`_st_collator`
+builds it without per-token Python work), the same filter keys, the module's own
+position-offset inference. Everything after that (tokenising without padding,
 the length-interleaved batch order, pooling, normalisation, prompts, truncation) is
 sentence-transformers' own code. Built against sentence-transformers 6.2; ``tests/
 test_sentence_transformers.py`` fails if a later release moves these attributes.
@@ -80,10 +81,11 @@ def enable_flattening(transformer: Any) -> None:
             + "; ".join(problems)
             + ". Use the model as it is (padded batches through attn_backends) or fix the above"
         )
-    from transformers import DataCollatorWithFlattening
+    from ._st_collator import FlatteningCollator
 
-    # As sentence-transformers configures it for flash attention (Transformer._can_flatten_inputs).
-    transformer.data_collator = DataCollatorWithFlattening(  # type: ignore[no-untyped-call]
+    # As sentence-transformers configures it for flash attention (Transformer._can_flatten_inputs),
+    # with the collator's output built in tensor operations (`_st_collator`).
+    transformer.data_collator = FlatteningCollator(  # type: ignore[no-untyped-call]
         return_seq_idx=True, return_flash_attn_kwargs=True, return_position_ids=True
     )
     if transformer.model_forward_params is not None:
