@@ -279,13 +279,13 @@ def test_marking_functions_from_threads_loses_none(monkeypatch):
     assert all(_registered._is_ours(f) for fs in made for f in fs)
 
 
-def test_mask_requests_get_distinct_serials_and_newest_is_the_last(monkeypatch):
-    monkeypatch.setattr(_hf_mask, "_requests", {})
+def test_mask_requests_get_distinct_serials_and_newest_is_the_last():
     tokens: list[list[tuple[torch.Tensor, Any]]] = [[] for _ in range(THREADS)]
 
     def work(index: int) -> None:
         for _ in range(CALLS):
-            token, request = torch.zeros(1), types.SimpleNamespace(serial=0)
+            token = _hf_mask.guard(torch.zeros(1), "m")
+            request = types.SimpleNamespace(serial=0)
             _hf_mask.record(token, cast(Any, request))
             tokens[index].append((token, request))
 
@@ -296,17 +296,20 @@ def test_mask_requests_get_distinct_serials_and_newest_is_the_last(monkeypatch):
     assert all(_hf_mask.request_of(t) is r for pairs in tokens for t, r in pairs)
 
 
-def test_a_token_dying_under_the_requests_lock_does_not_deadlock(monkeypatch):
-    monkeypatch.setattr(_hf_mask, "_requests", {})
-
-    def die_under_the_lock() -> None:
-        token = torch.zeros(1)
-        _hf_mask.record(token, cast(Any, types.SimpleNamespace(serial=0)))
-        with _hf_mask._requests_lock:  # as when the collector frees a token inside `record`
-            del token
-
-    assert finishes(die_under_the_lock)
-    assert _hf_mask._requests == {}
+def test_a_request_lives_on_its_guard_only():
+    """The request is found on the guard the hook returned, by that tensor alone: another
+    tensor (the guard's base, a plain tensor) has none, and nothing global keeps it alive."""
+    base = torch.zeros(1)
+    token = _hf_mask.guard(base, "m")
+    request = _hf_mask.MaskRequest("m", 1, 1, torch.device("cpu"), None)
+    _hf_mask.record(token, request)
+    assert _hf_mask.request_of(token) is request
+    assert _hf_mask.request_of(base) is None
+    assert _hf_mask.request_of(torch.zeros(1)) is None
+    kept = weakref.ref(request)
+    del token, request
+    gc.collect()
+    assert kept() is None
 
 
 def test_a_tensor_dying_under_the_tracked_lock_does_not_deadlock():

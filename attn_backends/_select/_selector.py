@@ -371,17 +371,37 @@ def decision_epoch() -> tuple[object, ...]:
     unchanged, and asks `select` again when it changes, so a decision kept on a model follows
     the registry and the environment exactly as `select`'s own cache does."""
     registry = get_registry()
-    env = os.environ
     return (
         registry.serial,
         registry.generation,
         table_generation(),
         _cleared,
-        env.get(BACKEND_ENV),
-        env.get(STRICT_ENV),
-        env.get(PLUGINS_ENV),
-        env.get(DISABLE_ENV),
+        *_selection_environment(),
     )
+
+
+_EPOCH_ENV = (BACKEND_ENV, STRICT_ENV, PLUGINS_ENV, DISABLE_ENV)
+_EPOCH_ENV_KEYS: dict[object, tuple[object, ...]] = {}
+"""`_EPOCH_ENV` as keys of each `os.environ` mapping seen (by its key encoder)."""
+
+
+def _selection_environment() -> tuple[object, ...]:
+    """The variables of `_EPOCH_ENV` as set now: what `os.environ.get` answers, read from the
+    dict that CPython's `os.environ` keeps them in (``_data``, which every write through
+    `os.environ` updates) with the names encoded once, where it has one. `os.environ.get`
+    encodes each name and decodes each value per call (microseconds, once per forward of a
+    served model); any other mapping in its place is read through ``get``. Values are
+    compared, never used, so the raw encoded value serves."""
+    env = os.environ
+    # CPython's os._Environ keeps these as instance attributes, which typeshed does not name
+    own = vars(env) if type(env) is os._Environ else {}
+    data, encode = own.get("_data"), own.get("encodekey")
+    if isinstance(data, dict) and callable(encode):
+        keys = _EPOCH_ENV_KEYS.get(encode)
+        if keys is None:
+            keys = _EPOCH_ENV_KEYS[encode] = tuple(encode(name) for name in _EPOCH_ENV)
+        return tuple(data.get(key) for key in keys)
+    return tuple(env.get(name) for name in _EPOCH_ENV)
 
 
 def _cached(key: _Key) -> Selection | None:

@@ -126,6 +126,8 @@ def chunk_from_hf(config: Any, local_size: object, model_name: str) -> int | Non
     """The spec's ``chunk_size`` for the mask the hook is asked for: the config's
     ``attention_chunk_size`` when ``local_size`` is it (transformers' chunked mask), else None.
     A chunk that is not a positive int is refused with `IntegrationError`."""
+    if local_size is None:  # transformers names no local size: not a chunked mask
+        return None
     # the config is transformers' untyped object; only chunked models carry this attribute
     chunk = getattr(config, "attention_chunk_size", None)
     if chunk is None or local_size != chunk:

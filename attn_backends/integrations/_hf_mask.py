@@ -35,7 +35,6 @@ from __future__ import annotations
 
 import itertools
 import threading
-import weakref
 from collections import OrderedDict
 from collections.abc import Callable, Hashable, Iterator
 from dataclasses import dataclass, field
@@ -45,7 +44,7 @@ import torch
 
 from .._values._errors import IntegrationError, MaskMismatchError
 from .._values._spec import AttentionSpec
-from . import _layout
+from . import _hf_mask_kinds, _layout
 from ._layout import BatchLayout
 
 __all__ = [
@@ -111,11 +110,18 @@ class MaskRequest:
     device: torch.device
     padding: torch.Tensor | None
     """``[batch, length]`` bool copy of the padding mask; None when every token is valid."""
-    evaluate: ModelMask | None
-    """The model's mask; None when the hook was called without a ``mask_function`` (not by
-    transformers): the padding alone is then the mask."""
+    evaluate: ModelMask | None = None
+    """The model's mask as an evaluator, when given; else made from ``function`` on first use
+    (`model_mask`): a batch of a proved class never evaluates it, so it is not built."""
     blocks: ModelBlocks | None = None
-    """The same mask over packed sequences' blocks, in one evaluation (`hook_blocks`)."""
+    """The same mask over packed sequences' blocks, in one evaluation (`hook_blocks`); made
+    from ``function`` on first use (`model_blocks`) when not given."""
+    function: Callable[..., Any] | None = None
+    """The ``mask_function`` transformers handed the hook; None when the hook was called
+    without one (not by transformers): the padding alone is then the mask."""
+    use_vmap: bool = False
+    """transformers asked for vmap (a function of the model's own in the tree); taken only
+    where the tree is not recognised to broadcast (`_hf_mask_kinds.broadcastable`)."""
     chunk_size: int | None = None
     """The chunk of a chunked mask (``attention_chunk_size``): the spec's ``chunk_size`` for
     every layer handed this mask."""
@@ -151,12 +157,33 @@ class MaskRequest:
     _causal: list[bool] = field(default_factory=list)
     """The probe's answer, once per forward (`mask_is_causal`)."""
 
+    @property
+    def has_mask(self) -> bool:
+        """Whether the model handed a mask to check against (else the padding is the mask)."""
+        return self.evaluate is not None or self.function is not None
+
+    def model_mask(self) -> ModelMask | None:
+        """The model's mask as an evaluator (`hook_mask`), made on first use."""
+        if self.evaluate is None and self.function is not None:
+            self.evaluate = hook_mask(self.function, self.padding, self._vmap(), self.device)
+        return self.evaluate
+
+    def model_blocks(self) -> ModelBlocks | None:
+        """The model's mask over packed sequences' blocks (`hook_blocks`), made on first use."""
+        if self.blocks is None and self.function is not None:
+            self.blocks = hook_blocks(self.function, self.padding, self._vmap(), self.device)
+        return self.blocks
+
+    def _vmap(self) -> bool:
+        return self.use_vmap and not _hf_mask_kinds.broadcastable(self.function)
+
     def mask_is_causal(self) -> bool | None:
         """Whether the model's own mask hides a later token from an earlier one: the first
         two valid tokens of a row are probed (one cell; causal and bidirectional masks
         differ there, windows do not). None when the mask is unknown or no row has two
         valid tokens. For layers that declare no causal flag: the mask is their rule."""
-        if self.evaluate is None:
+        evaluate = self.model_mask()
+        if evaluate is None:
             return None
         if not self._causal:
             probe = self._probe_cell()
@@ -168,9 +195,9 @@ class MaskRequest:
             memo = (self.proof, second - first) if self.proof and not self.packed_ids else None
             known = _causal_by_proof.get(memo) if memo is not None else None
             if known is None:
-                known = not bool(self.evaluate(row + 1, first, 1, second, 1)[row, 0, 0])
+                known = not bool(evaluate(row + 1, first, 1, second, 1)[row, 0, 0])
                 if memo is not None:
-                    with _requests_lock:
+                    with _causal_lock:
                         if len(_causal_by_proof) >= _PROOFS_KEPT:
                             _causal_by_proof.clear()
                         _causal_by_proof[memo] = known
@@ -196,10 +223,7 @@ read no data: a pure function of the two (code objects, constants, and ``k - q``
 probe runs once per kind of mask, not once per forward."""
 
 
-_requests: dict[int, tuple[weakref.ref[torch.Tensor], MaskRequest]] = {}
-_requests_lock = threading.RLock()
-"""Reentrant: a token's weakref callback takes it, and the garbage collector may run that
-callback on a thread that already holds it (inside `record`)."""
+_causal_lock = threading.Lock()
 
 
 class MaskGuard(torch.Tensor):
@@ -213,9 +237,14 @@ class MaskGuard(torch.Tensor):
     at its first use of the mask instead of crashing or misreading it. Passing it along
     (arguments, dicts, ``is None``), ``repr``, ``.device`` and a ``.to()`` that changes
     nothing are allowed: that is transformers' plumbing between the hook and the layers.
+
+    The guard carries its `MaskRequest` (`record`), so the attention function finds the
+    forward's request on the tensor it is handed, per call: nothing of it lives in a module
+    global that another thread's forward could change.
     """
 
     _model: str
+    _request: MaskRequest | None = None
 
     @classmethod
     def __torch_function__(
@@ -277,28 +306,20 @@ def newest_serial() -> int:
     return _newest[0]
 
 
-def record(token: torch.Tensor, request: MaskRequest) -> torch.Tensor:
-    """Tie ``request`` to the tensor the hook returns; it lives as long as that tensor."""
-    key = id(token)
+_serial_lock = threading.Lock()
 
-    def forget(_: object, key: int = key) -> None:
-        with _requests_lock:
-            _requests.pop(key, None)
 
-    with _requests_lock:  # serial and newest together: `newest_serial` never goes back
+def record(token: MaskGuard, request: MaskRequest) -> MaskGuard:
+    """Tie ``request`` to the guard the hook returns: it lives as long as that tensor."""
+    with _serial_lock:  # serial and newest together: `newest_serial` never goes back
         request.serial = _newest[0] = next(_serials)
-        _requests[key] = (weakref.ref(token, forget), request)
+    token._request = request
     return token
 
 
 def request_of(mask: object) -> MaskRequest | None:
     """The request behind a mask the hook returned, or None for any other object."""
-    if not isinstance(mask, torch.Tensor):
-        return None
-    entry = _requests.get(id(mask))
-    if entry is None or entry[0]() is not mask:
-        return None
-    return entry[1]
+    return mask._request if type(mask) is MaskGuard else None
 
 
 def _sdpa_grid(

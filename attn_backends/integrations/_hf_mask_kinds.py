@@ -98,6 +98,7 @@ def clear_caches() -> None:
     recognised_codes.cache_clear()
     _constant_code.cache_clear()
     _roles.cache_clear()
+    _leaf_signature.cache_clear()
 
 
 def _constant(function: types.FunctionType) -> bool:
@@ -188,6 +189,9 @@ def proof_signature(function: object, *, depth: int = 0) -> tuple[Signature, lis
     (`transformers._mask_proof`)."""
     if depth > 32 or not isinstance(function, types.FunctionType):
         return None
+    if function.__closure__ is None:  # a module-level function: its code says it all
+        leaf = _leaf_signature(function.__code__)
+        return None if leaf is None else (leaf, [])
     if _constant(function):
         return (function.__code__,), []
     shift_free, composing, packed, remapped = _roles()
@@ -215,4 +219,16 @@ def proof_signature(function: object, *, depth: int = 0) -> tuple[Signature, lis
         isinstance(v, (int, float, bool)) or v is None for v in cells.values()
     ):
         return (code, tuple(sorted(cells.items()))), []
+    return None
+
+
+@functools.lru_cache(maxsize=256)
+def _leaf_signature(code: types.CodeType) -> Signature | None:
+    """`proof_signature` of a function without a closure (transformers' module-level
+    ``causal_mask_function``, ``bidirectional_mask_function``): a value of its code alone, read
+    once per code, not once per forward. It reads no tensor: a closure is where one would be."""
+    if _constant_code(code):
+        return (code,)
+    if code in _roles()[0] and not code.co_freevars:
+        return (code, ())
     return None
