@@ -28,6 +28,7 @@ from typing import ClassVar, TypeVar, cast
 import torch
 
 from .._path._contract import (
+    BoundForward,
     BufferMemo,
     ForwardPath,
     Fp8Scales,
@@ -253,6 +254,17 @@ class PrefillBackend(ABC):
         sinks: torch.Tensor | None = None,
     ) -> torch.Tensor:
         return self._forward.run(qkv, plan, fp8_scales, sinks)
+
+    def bind_forward(self, qkv: QKVInput, plan: PrefillPlan) -> BoundForward | None:
+        """``forward`` bound to the signature of ``qkv`` (`BoundForward`): ``qkv`` is checked
+        in full now, and each later call with an input of that signature (shapes, strides,
+        offsets, dtypes, devices), which the caller vouches for, runs the kernel and the
+        output check only, returning ``[tokens, Hq, D]``. None where every call takes
+        ``forward``: packed input, a plan that rotates, FP8, or a subclass with a ``forward``
+        of its own."""
+        if type(self).forward is not PrefillBackend.forward:
+            return None
+        return self._forward.bind(qkv, plan)
 
     def accepts_rows(self, rows: torch.Tensor) -> bool:
         """Whether the kernel can read these packed rows in place (e.g. an alignment rule); if

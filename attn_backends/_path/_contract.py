@@ -44,7 +44,7 @@ from ._checks import unpack_packed as unpack_packed
 from ._checks import unpack_tuple as unpack_tuple
 from ._geometry import MEMO_SLOTS as MEMO_SLOTS
 from ._geometry import BufferMemo as BufferMemo
-from ._geometry import Geometry, Signature, make_geometry
+from ._geometry import Geometry, Grid, Signature, make_geometry
 from ._geometry import InputLayout as InputLayout
 from ._geometry import buffer_signature as buffer_signature
 from ._geometry import cut as cut
@@ -63,6 +63,8 @@ from ._preprocess import (
 from ._preprocess import preprocess_mode as preprocess_mode  # re-exported: backends import it
 from ._rope import PositionTables, build_position_tables
 from ._separate import (
+    alignment,
+    is_batch_major,
     packed_of,
     rotate_separate,
     separate_geometry,
@@ -124,9 +126,14 @@ class QKVViews:
     ``packed`` is the ``[tokens, (Hq + 2*Hkv) * D]`` rows they were cut from, trimmed to the
     valid tokens when first read (kernels on Q/K/V views never pay for it). With separate
     Q/K/V input it is built, a copy, only if a kernel reads it.
+
+    ``batch``: with batch-major input (``[n, heads, L, D]`` each, ``n`` sequences of ``L``
+    tokens), those tensors as given, for a kernel that attends batch-major; ``q``, ``k``, ``v``
+    are then made from them (views, or dense copies where no view reaches the rows) when a
+    kernel first reads them. None for every other input.
     """
 
-    __slots__ = ("_packed", "_rows", "fp8_scales", "k", "q", "sinks", "v")
+    __slots__ = ("_grids", "_k", "_packed", "_q", "_rows", "_v", "batch", "fp8_scales", "sinks")
 
     def __init__(
         self,
@@ -139,20 +146,62 @@ class QKVViews:
     ) -> None:
         self._packed = packed
         self._rows: torch.Tensor | None = None
-        self.q = q
-        self.k = k
-        self.v = v
+        self._q: torch.Tensor | None = q
+        self._k: torch.Tensor | None = k
+        self._v: torch.Tensor | None = v
+        self._grids: tuple[Grid, Grid, Grid] | None = None
+        self.batch: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None
         self.fp8_scales = fp8_scales
         self.sinks = sinks
+
+    @classmethod
+    def of_batch(
+        cls,
+        batch: tuple[torch.Tensor, torch.Tensor, torch.Tensor],
+        grids: tuple[Grid, Grid, Grid],
+        fp8_scales: Fp8Scales | None = None,
+    ) -> QKVViews:
+        """Views of checked batch-major input whose rows ``grids`` make on first read."""
+        views = cls.__new__(cls)
+        views._packed = views._rows = views._q = views._k = views._v = None
+        views._grids = grids
+        views.batch = batch
+        views.fp8_scales = fp8_scales
+        views.sinks = None
+        return views
+
+    def _made(self, index: int) -> torch.Tensor:
+        grids, batch = self._grids, self.batch
+        assert grids is not None and batch is not None  # every other form sets q, k, v
+        return grids[index].of(batch[index])
+
+    @property
+    def q(self) -> torch.Tensor:
+        if self._q is None:
+            self._q = self._made(0)
+        return self._q
+
+    @property
+    def k(self) -> torch.Tensor:
+        if self._k is None:
+            self._k = self._made(1)
+        return self._k
+
+    @property
+    def v(self) -> torch.Tensor:
+        if self._v is None:
+            self._v = self._made(2)
+        return self._v
 
     @property
     def packed(self) -> torch.Tensor:
         rows = self._rows
         if rows is None:
-            tokens = self.q.shape[0]
+            q = self.q
+            tokens = q.shape[0]
             source = self._packed
             if source is None:  # separate Q/K/V: packed rows exist only as a copy
-                rows = packed_of(self.q, self.k, self.v)
+                rows = packed_of(q, self.k, self.v)
             else:
                 rows = source if source.shape[0] == tokens else source[:tokens]
             self._rows = rows
@@ -312,8 +361,9 @@ class ForwardPath:
         self._sinks = spec.attention_sinks
         self._separate = BufferMemo()
         """Separate-input geometries by signature and the batch's row and token counts and
-        device, all `separate_geometry` reads of a plan: a new batch's plan (each batch of new
-        boundaries has one) finds the checks its layers' tensors passed in an earlier batch."""
+        device (and, for batch-major input, its lengths), all `separate_geometry` reads of a
+        plan: a new batch's plan (each batch of new boundaries has one) finds the checks its
+        layers' tensors passed in an earlier batch."""
 
     def run(
         self,
@@ -365,6 +415,13 @@ class ForwardPath:
         else:
             views = self._separate_views(given, plan, geo, fp8_scales)
             views.sinks = sinks
+        return _as_rows(self._attend(views, plan, geo, given), geo.output_rows)
+
+    def _attend(
+        self, views: QKVViews, plan: AnyPlan, geo: Geometry, given: SeparateQKV | None
+    ) -> torch.Tensor:
+        """The kernel on checked views, its failure named and its output checked:
+        ``[tokens, Hq, D]`` in the output dtype."""
         try:
             out = self._kernel.attend(views, plan)
         except Exception as exc:
@@ -376,9 +433,26 @@ class ForwardPath:
             and out.shape == geo.output_shape
             and out.dtype == geo.output_dtype
         ):
-            return _as_rows(out, geo.output_rows)
+            return out
         note = self._written(plan, geo, given)
-        raise _bad_output(self._name, spec, out, geo.output_shape, note)
+        raise _bad_output(self._name, self._spec, out, geo.output_shape, note)
+
+    def bind(self, qkv: QKVInput, plan: AnyPlan) -> BoundForward | None:
+        """`run` for every later input of ``qkv``'s signature: ``qkv`` is checked in full now
+        (as `run` checks it), and the result runs the cut, the kernel and the output check
+        per call. Separate ``(q, k, v)`` tensors with a per-batch plan that writes nothing
+        only; None for any other input (call `run`)."""
+        if type(plan) is not PrefillPlan or plan.rotates or self._fp8 or type(qkv) is not tuple:
+            return None
+        spec = self._spec
+        if plan.backend != self._name or (plan.spec is not spec and plan.spec != spec):
+            raise _not_ours(self._name, plan)
+        _, given, geo = self._learn(qkv, plan)
+        if given is None:
+            return None
+        tensors = cast(tuple[torch.Tensor, torch.Tensor, torch.Tensor], qkv)
+        aligned = tuple(alignment(t.data_ptr()) for t in tensors) if self._reads_addresses else None
+        return BoundForward(self, plan, geo, aligned)
 
     # The input, checked once per signature ------------------------------------------------
 
@@ -433,7 +507,9 @@ class ForwardPath:
         seen = plan.memo.get(signature)
         if seen is None:
             params = plan.params
-            shared = (signature, params.rows, params.token_q_num, params.device)
+            # batch-major input is checked against the sequences' lengths too
+            lengths = params.input_lengths if is_batch_major(first) else None
+            shared = (signature, params.rows, params.token_q_num, params.device, lengths)
             seen = self._separate.get(shared)
             if seen is None:
                 seen = self._separate_geometry(first, plan)
@@ -484,6 +560,11 @@ class ForwardPath:
         pass with the plan's tables where it takes no separate tensors), trimmed to the valid
         tokens (dense copies where declared)."""
         assert geo.grids is not None and isinstance(plan, PrefillPlan)  # _learn proved both
+        if geo.batch and not geo.dense_tensors:  # never rotates: the geometry refused that
+            batch = cast(
+                tuple[torch.Tensor, torch.Tensor, torch.Tensor], (given.q, given.k, given.v)
+            )
+            return QKVViews.of_batch(batch, geo.grids, fp8_scales)
         gq, gk, gv = geo.grids
         q = gq.of(cast(torch.Tensor, given.q))
         k = gk.of(cast(torch.Tensor, given.k))
@@ -511,3 +592,55 @@ class ForwardPath:
         if given is not None:
             return separate_note(geo.tokens, certain=True)
         return modified_note(self._spec, _written_rows(plan, geo))
+
+
+class BoundForward:
+    """`ForwardPath.run` for separate ``(q, k, v)`` input of one signature, checked once
+    (`ForwardPath.bind`): each call runs the cut, the kernel and the output check, and none of
+    the input checks, which depend on that signature alone (shapes, strides, storage offsets,
+    dtypes, devices; `separate_signature`).
+
+    The caller vouches for the signature of every input it passes: it holds the signature in
+    its own key (the transformers integration's lane key, `transformers._lane_key`). Where the
+    kernel's alignment rule reads addresses, their alignment is compared here per call, and an
+    input of another alignment takes the full path. Returns ``[tokens, Hq, D]``.
+    """
+
+    __slots__ = ("_aligned", "_geo", "_path", "_plan", "_sinks")
+
+    def __init__(
+        self,
+        path: ForwardPath,
+        plan: PrefillPlan,
+        geo: Geometry,
+        aligned: tuple[int, ...] | None,
+    ) -> None:
+        self._path = path
+        self._plan = plan
+        self._geo = geo
+        self._aligned = aligned
+        self._sinks = path._sinks
+
+    @property
+    def plan(self) -> PrefillPlan:
+        return self._plan
+
+    def __call__(
+        self,
+        qkv: tuple[torch.Tensor, torch.Tensor, torch.Tensor],
+        sinks: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        path, plan, geo = self._path, self._plan, self._geo
+        aligned = self._aligned
+        if aligned is not None and aligned != tuple(alignment(t.data_ptr()) for t in qkv):
+            out = path.run(qkv, plan, None, sinks)
+            return out.view(geo.output_shape)
+        if sinks is not None or self._sinks:
+            check_sinks(path._spec, sinks, plan.params.device)
+        grids = geo.grids
+        if geo.batch and not geo.dense_tensors and grids is not None:
+            views = QKVViews.of_batch(qkv, grids)
+        else:
+            views = path._separate_views(SeparateQKV(*qkv), plan, geo, None)
+        views.sinks = sinks
+        return path._attend(views, plan, geo, None)

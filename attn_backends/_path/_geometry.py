@@ -38,9 +38,16 @@ class Grid:
     given: bool = False
     """The tensor as given already is this view (``[rows, heads, D]``, same strides): used as
     it is (the signature it was learned under fixes its shape, strides and offset)."""
+    copied: bool = False
+    """A batch-major ``[n, heads, L, D]`` tensor whose rows no strided view reaches (each
+    token's heads apart in memory, or rows of sequences apart): its rows are a dense copy."""
 
     def of(self, t: torch.Tensor) -> torch.Tensor:
-        return t if self.given else t.as_strided(self.size, self.stride, self.offset)
+        if self.given:
+            return t
+        if self.copied:
+            return t.transpose(1, 2).reshape(self.size)
+        return t.as_strided(self.size, self.stride, self.offset)
 
 
 @dataclass(frozen=True, eq=False)
@@ -72,6 +79,10 @@ class Geometry:
     """Packed views only, no FP8: the per-layer call cuts the buffer inline."""
     grids: tuple[Grid, Grid, Grid] | None = None
     """Separate ``(q, k, v)`` input: the checked ``[rows, heads, D]`` views (None: packed)."""
+    batch: bool = False
+    """Separate input given batch-major, ``[n, heads, L, D]`` each for ``n`` sequences of
+    ``L`` tokens: the kernel may read those tensors as they are (`QKVViews.batch`), and its
+    rows are made only if it reads them."""
 
 
 class BufferMemo:

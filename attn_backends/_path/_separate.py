@@ -3,10 +3,13 @@
 BERT-style checkpoints, LoRA on q/v and separately quantised linears produce three tensors;
 concatenating them into a packed buffer every layer is the copy this library exists to remove.
 Each tensor is ``[rows, heads * D]`` or ``[rows, heads, D]`` (heads dense within a row, any row
-stride), the rows those of the plan. The rules are the packed contract's: every check before
-the first write, RoPE/logn in place on the valid rows of ``q`` and ``k`` (V and padding rows never
-written), views trimmed to the valid tokens reach the kernel, copied only for a backend that
-declares it needs dense memory.
+stride), the rows those of the plan; or, for a batch of ``n`` sequences of ``L`` tokens each,
+batch-major ``[n, heads, L, D]`` (transformers' layout, any strides but a unit last one): a
+kernel that attends batch-major reads those tensors as they are, any other reads their rows
+(a view where the memory allows, else a dense copy). The rules are the packed contract's:
+every check before the first write, RoPE/logn in place on the valid rows of ``q`` and ``k``
+(V and padding rows never written), views trimmed to the valid tokens reach the kernel,
+copied only for a backend that declares it needs dense memory.
 
 Two rules are this input's own. The RoPE/logn pass is the plan's own when it takes separate
 tensors (`RopePass.apply_separate`: the native kernel and flashinfer's do, in one launch that
@@ -17,6 +20,8 @@ rotate a byte twice. Views of disjoint columns of one buffer are fine.
 """
 
 from __future__ import annotations
+
+from typing import cast
 
 import torch
 
@@ -30,7 +35,9 @@ from ._rope_passes import RopePass
 
 __all__ = [
     "SeparateQKV",
+    "alignment",
     "check_separate",
+    "is_batch_major",
     "packed_of",
     "rotate_separate",
     "separate_geometry",
@@ -132,6 +139,49 @@ def _refuse_aliasing(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
             )
 
 
+def is_batch_major(given: SeparateQKV) -> bool:
+    """Whether the input is batch-major: three 4-D tensors (`_batch_grid` checks the rest)."""
+    return all(isinstance(t, torch.Tensor) and t.dim() == 4 for t in (given.q, given.k, given.v))
+
+
+def _batch_grid(
+    name: str, t: torch.Tensor, heads: int, spec: AttentionSpec, params: FMHAParams
+) -> Grid:
+    """A batch-major ``[n, heads, L, D]`` tensor checked against a plan of ``n`` sequences of
+    ``L`` tokens (no padding rows), and how its ``[rows, heads, D]`` rows are made: one strided
+    view where each token's heads are dense and the sequences follow each other at one row
+    stride, else a dense copy."""
+    count, length = int(t.shape[0]), int(t.shape[2])
+    layout = f"[n, {heads}, L, {spec.head_dim}]"
+    if tuple(t.shape[1:2]) + tuple(t.shape[3:]) != (heads, spec.head_dim):
+        raise fail(f"{name} of shape {tuple(t.shape)}", f"{layout} for the spec's heads")
+    if params.input_lengths != (length,) * count or params.rows != params.token_q_num:
+        raise fail(
+            f"batch-major {name} of {count} sequences of {length} tokens for a plan of lengths "
+            f"{list(params.input_lengths)[:8]}{'...' if len(params.input_lengths) > 8 else ''}"
+            f" in {params.rows} rows",
+            "the plan's batch: n sequences of L tokens each and no padding rows, or rows "
+            "[rows, heads, D] for any other batch",
+        )
+    if spec.head_dim > 1 and t.stride(3) != 1:
+        raise fail(f"{name} with strides {tuple(t.stride())}", "a unit stride along head_dim")
+    if t.dtype != spec.dtype:
+        raise fail(f"{name} of dtype {dtype_name(t.dtype)}", f"the spec's {dtype_name(spec.dtype)}")
+    if t.device != params.device:
+        raise fail(
+            f"{name} on {t.device} but FMHAParams on {params.device}",
+            "every tensor on the plan's device",
+        )
+    s_batch, s_head, s_token, _ = t.stride()
+    rows = count * length
+    size = (rows, heads, spec.head_dim)
+    dense_heads = heads == 1 or s_head == spec.head_dim
+    one_stride = count == 1 or s_batch == length * s_token
+    if dense_heads and one_stride and (rows == 1 or s_token >= heads * spec.head_dim):
+        return Grid(size, (s_token, s_head, 1), int(t.storage_offset()))
+    return Grid(size, (heads * spec.head_dim, spec.head_dim, 1), 0, copied=True)
+
+
 def check_separate(
     given: SeparateQKV, spec: AttentionSpec, params: FMHAParams, *, writes: bool = True
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -170,6 +220,8 @@ def separate_geometry(
     writes: bool,
 ) -> Geometry:
     """Every check of a ``(q, k, v)`` input, and how to cut it, as one memoisable `Geometry`."""
+    if is_batch_major(given):
+        return _batch_geometry(given, spec, params, layout, accepts_rows, writes=writes)
     q, k, v = check_separate(given, spec, params, writes=writes)
     tokens = params.token_q_num
     dense = layout == "dense-tensors" or not all(
@@ -191,13 +243,59 @@ def separate_geometry(
     )
 
 
+def _batch_geometry(
+    given: SeparateQKV,
+    spec: AttentionSpec,
+    params: FMHAParams,
+    layout: InputLayout,
+    accepts_rows: RowsRule,
+    *,
+    writes: bool,
+) -> Geometry:
+    """`separate_geometry` of batch-major input (`_batch_grid`). A plan that rotates q and k
+    in place refuses it: rows made as a copy would be rotated, not the caller's tensors that
+    a batch-major kernel reads."""
+    if writes:
+        raise fail(
+            "batch-major [n, heads, L, D] q/k/v for a plan that applies RoPE/logn in place",
+            "q/k/v as rows [rows, heads, D] (or the packed buffer) when the backend rotates, "
+            "or q and k rotated before the call",
+        )
+    tensors = cast(tuple[torch.Tensor, torch.Tensor, torch.Tensor], (given.q, given.k, given.v))
+    heads = (spec.num_heads, spec.num_kv_heads, spec.num_kv_heads)
+    grids = tuple(
+        _batch_grid(name, t, n, spec, params)
+        for name, t, n in zip("qkv", tensors, heads, strict=True)
+    )
+    tokens = params.token_q_num
+    dense = layout == "dense-tensors" or not all(
+        grid.copied or accepts_rows(grid.of(t).flatten(1))
+        for grid, t in zip(grids, tensors, strict=True)
+    )
+    return Geometry(
+        tokens=tokens,
+        heads_size=(tokens, spec.num_heads + 2 * spec.num_kv_heads, spec.head_dim),
+        heads_stride=(0, spec.head_dim, 1),
+        storage_offset=0,
+        split=(spec.num_heads, spec.num_kv_heads, spec.num_kv_heads),
+        copy_rows=False,
+        dense_tensors=dense,
+        output_shape=torch.Size((tokens, spec.num_heads, spec.head_dim)),
+        output_rows=(tokens, spec.q_width),
+        output_dtype=spec.output_dtype,
+        plain=False,
+        grids=cast(tuple[Grid, Grid, Grid], grids),
+        batch=True,
+    )
+
+
 ADDRESS_CLASS = 256
 """Bytes: a read-only plan's memo sees an input's address through its power-of-two
 alignment, up to this (every alignment rule a backend's ``accepts_rows`` states in practice:
 flashinfer's is 16)."""
 
 
-def _alignment(address: int) -> int:
+def alignment(address: int) -> int:
     """The largest power of two dividing ``address``, at most `ADDRESS_CLASS`."""
     return min(address & -address, ADDRESS_CLASS) if address else ADDRESS_CLASS
 
@@ -209,7 +307,7 @@ def separate_signature(
 
     Everything the checks and the cut read: shapes, strides, offsets, dtypes, devices, and
     the addresses. A plan that writes q and k in place keys the addresses themselves (the
-    aliasing rule compares them); a read-only one keys their alignment (`_alignment`), all
+    aliasing rule compares them); a read-only one keys their alignment (`alignment`), all
     an alignment rule can see, and nothing of them when the kernel states no rule
     (``addresses=False``). So a model's new q/k/v tensors in every layer (fresh addresses,
     one geometry) are checked once per plan, not once per layer."""
@@ -219,7 +317,7 @@ def separate_signature(
             return None
         address = t.data_ptr()
         parts += (
-            address if writes else _alignment(address) if addresses else None,
+            address if writes else alignment(address) if addresses else None,
             t.storage_offset(),
             t.shape,
             t.stride(),

@@ -168,7 +168,20 @@ class Fp8Support(FeatureSupport):
     e4m3fn)."""
 
 
-InputForm = Literal["plain", "strided", "tuple-none", "tuple-empty", "separate", "separate-3d"]
+InputForm = Literal[
+    "plain",
+    "strided",
+    "tuple-none",
+    "tuple-empty",
+    "separate",
+    "separate-3d",
+    "batch-major",
+    "batch-major-dense",
+]
+"""How a case hands its QKV to ``forward``: the packed buffer (strided: a column slice of a
+wider one), the tuple forms, separate ``[rows, ...]`` tensors, or batch-major
+``[n, heads, L, D]`` tensors (views of the packed rows, as transformers hands them, or dense
+copies whose rows no view reaches)."""
 
 
 @dataclass(frozen=True)

@@ -133,6 +133,20 @@ def conformance_cases(caps: Capabilities) -> list[ConformanceCase]:
         ConformanceCase(f"{tag}-tuple-empty", base, form="tuple-empty"),
         ConformanceCase(f"{tag}-separate-qkv", base, padding_rows=3, form="separate"),
         ConformanceCase(f"{tag}-separate-qkv-3d", base, form="separate-3d"),
+        # batch-major q/k/v (transformers' layout) for a batch of equal lengths, nothing to
+        # rotate (a plan that rotates refuses it)
+        ConformanceCase(
+            f"{tag}-batch-major", replace(base, rope=None), (12,) * 3, form="batch-major"
+        ),
+        ConformanceCase(
+            f"{tag}-batch-major-dense",
+            replace(base, rope=None),
+            (12,) * 3,
+            form="batch-major-dense",
+        ),
+        ConformanceCase(
+            f"{tag}-batch-major-one", replace(base, rope=None), (20,), form="batch-major-dense"
+        ),
         ConformanceCase(f"{tag}-single-token", base, lengths=(1,)),
         ConformanceCase(f"{tag}-zero-length-seq", base, lengths=(3, 0, 4)),
         ConformanceCase(f"{tag}-equal-lengths", base, lengths=(16,) * 6),

@@ -79,10 +79,18 @@ class PreparedInput:
 
     def current(self) -> torch.Tensor:
         """The packed rows as they are now: the buffer itself, or the separate tensors side
-        by side (what they hold after ``forward``)."""
+        by side (what they hold after ``forward``; batch-major ones as rows)."""
         if isinstance(self.qkv, tuple) and self.qkv[1] is not None and self.qkv[1].numel():
-            return torch.cat([t.flatten(1) for t in self.qkv if t is not None], dim=1)
+            return torch.cat([_as_rows(t) for t in self.qkv if t is not None], dim=1)
         return self.packed
+
+
+def _as_rows(t: torch.Tensor) -> torch.Tensor:
+    """A separate input tensor as ``[rows, heads * D]``: batch-major ``[n, heads, L, D]``
+    sequence by sequence, any other flattened past its rows."""
+    if t.dim() == 4:
+        return t.transpose(1, 2).reshape(t.shape[0] * t.shape[2], -1)
+    return t.flatten(1)
 
 
 def make_qkv(case: ConformanceCase, device: torch.device | str, seed: int) -> PreparedInput:
@@ -113,6 +121,19 @@ def make_qkv(case: ConformanceCase, device: torch.device | str, seed: int) -> Pr
                 t.view(t.shape[0], h, spec.head_dim) for t, h in zip(parts, heads, strict=True)
             ]
         qkv = (parts[0], parts[1], parts[2])
+    elif case.form in ("batch-major", "batch-major-dense"):
+        # [n, heads, L, D] each for n sequences of L tokens, as transformers hands them: views
+        # of the packed rows, or dense copies whose rows no strided view reaches
+        count, length = len(case.lengths), case.lengths[0]
+        bounds = (0, spec.q_width, spec.q_width + spec.kv_width, spec.qkv_width)
+        heads = (spec.num_heads, spec.num_kv_heads, spec.num_kv_heads)
+        grids = [
+            packed[:tokens, lo:hi].view(count, length, h, spec.head_dim).transpose(1, 2)
+            for (lo, hi), h in zip(itertools.pairwise(bounds), heads, strict=True)
+        ]
+        if case.form == "batch-major-dense":
+            grids = [g.contiguous() for g in grids]
+        qkv = (grids[0], grids[1], grids[2])
     sinks = None
     if spec.attention_sinks:
         # Around the scores' own scale (lse of a few keys is ~1..4), so a sink takes a share

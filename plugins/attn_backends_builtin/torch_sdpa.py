@@ -27,6 +27,7 @@ import array
 import functools
 import itertools
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import torch
 import torch.nn.functional as F
@@ -49,12 +50,12 @@ from attn_backends_builtin._masks import dense_mask as _dense_mask
 API_VERSION = "2.0"
 
 
-@dataclass(frozen=True)
-class _Run:
-    """``count`` consecutive sequences of ``length`` tokens starting at row ``start``."""
+class _Run(NamedTuple):
+    """``sequences`` consecutive sequences of ``length`` tokens starting at row ``start`` (a
+    tuple: a batch of sequences of many lengths makes one per sequence, per batch)."""
 
     start: int
-    count: int
+    sequences: int
     length: int
 
 
@@ -64,7 +65,7 @@ def _runs(lengths: tuple[int, ...]) -> tuple[_Run, ...]:
     for length in lengths:
         last = runs[-1] if runs else None
         if last is not None and last.length == length:
-            runs[-1] = _Run(last.start, last.count + 1, length)
+            runs[-1] = _Run(last.start, last.sequences + 1, length)
         else:
             runs.append(_Run(start, 1, length))
         start += length
@@ -257,6 +258,9 @@ class TorchSdpaBackend(PrefillBackend):
         kernel = plan.kernel
         if not isinstance(kernel, SdpaPlan):
             raise BackendFailure(f"{self.name} got a plan it did not make: {kernel!r}")
+        batch = views.batch
+        if batch is not None and len(kernel.runs) == 1:  # one run: n sequences of one length
+            return _attend_batch(spec, kernel.masks.get(kernel.runs[0].length), batch, views.sinks)
         q, k, v = views.q, views.k, views.v
         if kernel.groups and kernel.take is not None:
             return _attend_groups(spec, kernel.groups, kernel.take, q, k, v)
@@ -265,8 +269,8 @@ class TorchSdpaBackend(PrefillBackend):
         out = torch.empty(q.shape, dtype=spec.output_dtype, device=q.device)
         for run in kernel.runs:
             mask = kernel.masks.get(run.length)
-            rows = slice(run.start, run.start + run.count * run.length)
-            n, length = run.count, run.length
+            rows = slice(run.start, run.start + run.sequences * run.length)
+            n, length = run.sequences, run.length
             qs = q[rows].view(n, length, *q.shape[1:]).transpose(1, 2)
             ks = k[rows].view(n, length, *k.shape[1:]).transpose(1, 2)
             vs = v[rows].view(n, length, *v.shape[1:]).transpose(1, 2)
@@ -297,7 +301,7 @@ def _attend_whole(
 ) -> torch.Tensor:
     """A batch of one run (one sequence, or sequences of one length) as one SDPA call on views
     of the rows, its output made rows by one copy."""
-    n, length = run.count, run.length
+    n, length = run.sequences, run.length
     mask = masks.get(length)
     result = F.scaled_dot_product_attention(
         _run_view(q, n, length),
@@ -310,6 +314,35 @@ def _attend_whole(
     )
     out = result.transpose(1, 2).reshape(q.shape)
     return out if out.dtype == spec.output_dtype else out.to(spec.output_dtype)
+
+
+def _attend_batch(
+    spec: AttentionSpec,
+    mask: torch.Tensor | None,
+    batch: tuple[torch.Tensor, torch.Tensor, torch.Tensor],
+    sinks: torch.Tensor | None,
+) -> torch.Tensor:
+    """Batch-major input (``[n, H, L, D]`` each, one run): SDPA on the tensors as given, the
+    layout it takes, its output made rows by one copy."""
+    q, k, v = batch
+    if sinks is not None:
+        assert mask is not None  # built for every length of a spec with sinks
+        result = _attend_with_sinks(spec, q, k, v, mask, sinks)
+    else:
+        result = F.scaled_dot_product_attention(
+            q,
+            k,
+            v,
+            attn_mask=mask,
+            is_causal=spec.causal and mask is None,
+            scale=spec.scale,
+            enable_gqa=spec.is_gqa,
+        )
+    if result.dtype != spec.output_dtype:
+        result = result.to(spec.output_dtype)
+    if q.shape[0] == 1:  # one sequence: its rows are a view, and the caller copies if it must
+        return result[0].transpose(0, 1)
+    return result.transpose(1, 2).reshape(-1, q.shape[1], q.shape[3])
 
 
 def _run_view(x: torch.Tensor, count: int, length: int) -> torch.Tensor:
