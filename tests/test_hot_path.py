@@ -10,7 +10,7 @@ import pytest
 import torch
 
 import attn_backends.errors
-from attn_backends.integrations import _layout
+from attn_backends.integrations import _hf_mask, _layout
 
 transformers = pytest.importorskip("transformers")
 
@@ -111,3 +111,89 @@ def test_output_attentions_is_refused_after_a_served_call_of_the_same_forward():
     assert out.shape == (1, 5, 2, 16)
     with pytest.raises(attn_backends.errors.IntegrationError, match="output_attentions"):
         abt.attention_forward(layer, q, q, q, mask, scaling=0.25, output_attentions=True)
+
+
+def _sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> torch.Tensor:
+    return torch.nn.functional.scaled_dot_product_attention(
+        q.double(), k.double(), v.double(), scale=scale
+    ).transpose(1, 2)
+
+
+def test_calls_of_other_strides_in_one_forward_take_lanes_of_their_own():
+    """The lane key holds each input's strides and offset (what the bound forward's checks
+    read): a call whose q/k/v are laid out otherwise than an earlier one of the same shapes
+    resolves a lane of its own, and both compute their own attention."""
+    from transformers.masking_utils import bidirectional_mask_function
+
+    model = _bert(dropout=0.0)
+    layer = _attention_modules(model)[0]
+    mask = abt.padding_mask(2, 5, 5, config=model.config, mask_function=bidirectional_mask_function)
+    request = _hf_mask.request_of(mask)
+    assert request is not None
+    g = torch.Generator().manual_seed(4)
+    projected = torch.randn(2, 5, 3, 2, 16, generator=g)  # a fused projection, transposed
+    views = [projected[:, :, i].transpose(1, 2) for i in range(3)]
+    dense = [torch.randn(2, 2, 5, 16, generator=g) for _ in range(3)]
+    for q, k, v in (views, dense, views):
+        out, _ = abt.attention_forward(layer, q, k, v, mask, scaling=0.25)
+        want = _sdpa(q, k, v, 0.25)
+        assert hf_support.relative_error(out, want) < 1e-6
+    assert len(request.lanes) == 2
+
+
+def _bert_calls(monkeypatch: pytest.MonkeyPatch) -> dict[str, int]:
+    """How often the class-level steps of a call's resolution run (spied)."""
+    from attn_backends.integrations import _hf_call, _hf_proof
+
+    counts = {"refuse": 0, "spec": 0, "selection": 0, "proof": 0}
+    for name, owner, attribute in (
+        ("refuse", _hf_call, "refuse_unsupported_call"),
+        ("spec", _hf_call, "layer_spec"),
+        ("selection", _hf_call, "layer_selection"),
+        ("proof", _hf_proof, "mask_proof"),
+    ):
+        real = getattr(owner, attribute)
+
+        def spy(*args: Any, _real: Any = real, _name: str = name, **kwargs: Any) -> Any:
+            counts[_name] += 1
+            return _real(*args, **kwargs)
+
+        monkeypatch.setattr(owner, attribute, spy)
+    return counts
+
+
+def test_a_class_of_call_is_resolved_once_across_forwards(monkeypatch):
+    """Whole-row batches of new shapes reuse their class's spec, selection and mask proof
+    (refusals included): only the first forward resolves them; each batch still gets its own
+    layout and plan, and computes transformers' own attention."""
+    model = _bert(dropout=0.0)
+    reference = hf_support.from_config(model.config, "sdpa")
+    reference.load_state_dict(model.state_dict())
+    counts = _bert_calls(monkeypatch)
+    for rows, cols in ((2, 6), (1, 9), (3, 4)):
+        ids = torch.randint(3, 50, (rows, cols), generator=torch.Generator().manual_seed(cols))
+        got = hf_support.run(model, abt.DEFAULT_NAME, input_ids=ids)
+        want = hf_support.run(reference, "sdpa", input_ids=ids)
+        assert hf_support.relative_error(got, want) < 1e-5
+        if (rows, cols) == (2, 6):
+            first = dict(counts)
+            assert first["refuse"] == first["spec"] == 1, "one resolution per forward"
+    assert counts == first, "later forwards of the class resolved nothing of it again"
+
+
+def test_a_class_is_resolved_again_for_another_dtype_and_a_padded_batch_is_proved_per_batch(
+    monkeypatch,
+):
+    model = _bert(dropout=0.0)
+    ids = torch.randint(3, 50, (2, 6), generator=torch.Generator().manual_seed(5))
+    counts = _bert_calls(monkeypatch)
+    hf_support.run(model, abt.DEFAULT_NAME, input_ids=ids)
+    before = dict(counts)
+    model.to(torch.bfloat16)
+    hf_support.run(model, abt.DEFAULT_NAME, input_ids=ids)
+    assert counts["spec"] == 2 * before["spec"], "bfloat16 calls are another class"
+    padded = torch.tensor([[1, 1, 1, 1, 0, 0], [1, 1, 1, 1, 1, 1]])
+    proofs = counts["proof"]
+    hf_support.run(model, abt.DEFAULT_NAME, input_ids=ids, attention_mask=padded)
+    hf_support.run(model, abt.DEFAULT_NAME, input_ids=ids, attention_mask=padded)
+    assert counts["proof"] == proofs + 2, "a padded batch's rows are proved per batch"

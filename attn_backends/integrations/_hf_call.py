@@ -36,6 +36,7 @@ from .._values._platform import Platform
 from .._values._spec import AttentionSpec
 from . import _hf_features, _hf_mask
 from ._hf_mask import MaskRequest
+from ._hf_proof import CLASSES
 
 __all__ = [
     "clear_decisions",
@@ -188,6 +189,12 @@ def _table(module: torch.nn.Module, name: str) -> dict[Hashable, Any]:
     return table
 
 
+def keep(module: torch.nn.Module, name: str, key: Hashable, value: object) -> None:
+    """Keep ``value`` under ``key`` in ``module``'s table ``name`` (at most `_KEPT` entries;
+    a full table is replaced whole, so a reader holds the old one intact)."""
+    _table(module, name)[key] = value
+
+
 def layer_spec(
     module: torch.nn.Module,
     query: torch.Tensor,
@@ -287,8 +294,9 @@ def _log_decision(
 
 
 def clear_kept(model: torch.nn.Module) -> None:
-    """Drop the specs and selections kept on ``model``'s attention modules: the next call of
-    each is built and selected again (after replacing a mapping this module uses, in tests)."""
+    """Drop the specs, selections and classes of call kept on ``model``'s attention modules:
+    the next call of each is built and selected again (after replacing a mapping this module
+    uses, in tests)."""
     for module in model.modules():
-        module.__dict__.pop(_SPECS, None)
-        module.__dict__.pop(_SELECTIONS, None)
+        for name in (_SPECS, _SELECTIONS, CLASSES):
+            module.__dict__.pop(name, None)

@@ -34,6 +34,9 @@ __all__ = [
 ]
 
 _PROOFS = "_attn_backends_mask_proofs"
+CLASSES = "_attn_backends_call_classes"
+"""The attention module's resolved classes of call (the eager integration's ``_CallClass``):
+a spec, a selection and whether whole rows are proved for the mask, by class key."""
 """The attention module's set of `MaskProof` values: checks passed once per class."""
 
 LayoutKind = Literal["rows", "packed"]
@@ -93,8 +96,10 @@ def remember(module: torch.nn.Module, proof: MaskProof) -> None:
 
 
 def forget(module: torch.nn.Module) -> None:
-    """Drop ``module``'s proofs: the next batch of every class is checked in full again."""
+    """Drop ``module``'s proofs, and the classes of call that hold one (whole rows proved):
+    the next batch of every class is checked in full again."""
     module.__dict__.pop(_PROOFS, None)
+    module.__dict__.pop(CLASSES, None)
 
 
 def model_proofs(model: torch.nn.Module) -> frozenset[MaskProof]:
@@ -128,19 +133,28 @@ def _contiguous(valid: torch.Tensor | None) -> bool:
 def positions_split_at(row: torch.Tensor, starts: list[int], *, strict: bool) -> bool:
     """Whether position ids ``row`` count up by one inside every sequence starting at
     ``starts`` (the first at 0); ``strict``: and break that count at every later start, as
-    transformers finds packed sequences in them. Four tensor operations and one host read of
-    the steps that do not count up (a handful per batch: at most one per sequence where the
-    rule holds), whatever the row's length; positions that cannot count (bool, complex) do
-    not."""
+    transformers finds packed sequences in them. A few tensor operations and one host read,
+    whatever the row's length; positions that cannot count (bool, complex) do not."""
     dtype = row.dtype
     if dtype == torch.bool or dtype.is_complex:
         return False
-    seq = row.shape[0]
-    breaks = (row[1:] - row[:-1] != 1).nonzero().flatten().tolist()  # step i: i -> i + 1
-    boundaries = {s - 1 for s in starts[1:] if 0 < s < seq}
-    if strict:
-        return set(breaks) == boundaries
-    return all(i in boundaries for i in breaks)
+    breaks = row[1:] - row[:-1] != 1  # step i: i -> i + 1
+    boundary = _boundary_mask(starts, row.shape[0], row.device)
+    # strict: the breaks are the boundaries; else they are among them
+    return torch.equal(breaks, boundary) if strict else torch.equal(breaks | boundary, boundary)
+
+
+def _boundary_mask(starts: list[int], seq: int, device: torch.device) -> torch.Tensor:
+    """bool ``[seq - 1]``: step ``i`` (token ``i`` to ``i + 1``) enters a sequence of
+    ``starts`` (those past the first, inside the row), built on the host in one buffer."""
+    steps = bytearray(max(0, seq - 1))
+    for start in starts[1:]:
+        if 0 < start < seq:
+            steps[start - 1] = 1
+    if not steps:
+        return torch.zeros(0, dtype=torch.bool, device=device)
+    mask = torch.frombuffer(steps, dtype=torch.bool)
+    return mask if device.type == "cpu" else mask.to(device)
 
 
 def _reads_match_segments(data: tuple[tuple[str, Any], ...], layout: BatchLayout) -> bool:
@@ -157,8 +171,8 @@ def _reads_match_segments(data: tuple[tuple[str, Any], ...], layout: BatchLayout
             return False
         row = tensor[0]
         if role == "ids":
-            changes = (row[1:] != row[:-1]).nonzero().flatten().tolist()  # step i: i -> i + 1
-            if changes != [s - 1 for s in starts[1:]]:
+            changes = row[1:] != row[:-1]  # step i: i -> i + 1
+            if not torch.equal(changes, _boundary_mask(starts, layout.seq, row.device)):
                 return False
         elif role == "positions":
             if not positions_split_at(row, starts, strict=False):

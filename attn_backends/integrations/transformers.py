@@ -52,6 +52,7 @@ needs it.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import logging
 import threading
@@ -61,6 +62,8 @@ from typing import Any
 
 import torch
 
+from .._backend._backend import PrefillBackend
+from .._path._contract import BoundForward, PrefillPlan
 from .._select._selector import Selection, decision_epoch
 from .._values._errors import IntegrationError, MaskMismatchError
 from .._values._spec import AttentionSpec
@@ -150,7 +153,9 @@ def padding_mask(
             f"{q_offset}/{kv_offset}: a KV cache continuing earlier tokens, which the no-cache "
             "prefill path does not serve; call the model with use_cache=False on a whole batch"
         )
-    device = torch.device(kwargs.get("device", "cpu"))
+    device = kwargs.get("device", "cpu")
+    if type(device) is not torch.device:
+        device = torch.device(device)
     padding: torch.Tensor | None = None
     if attention_mask is not None:
         if attention_mask.dim() != 2 or attention_mask.shape[0] != batch_size:
@@ -167,37 +172,35 @@ def padding_mask(
         # padding is told apart on the mask as given, and only a padded one is copied
         if not bool(given.all()):
             padding = given.to(device=device, dtype=torch.bool, copy=True)
+    # the guard's storage: the bool mask as transformers hands it over (the guard is never
+    # read or written: any operation on it raises), else a bool tensor of that shape
     token = (
-        padding.clone()
-        if padding is not None
+        given
+        if attention_mask is not None and given.dtype == torch.bool and given.device == device
         else torch.ones(batch_size, kv_length, dtype=torch.bool, device=device)
     )
     function = kwargs.get("mask_function")
-    # transformers vmaps as soon as a model adds a function of its own; a tree of functions
-    # recognised to broadcast is evaluated exactly without it (`_hf_mask_kinds`).
-    use_vmap = bool(kwargs.get("use_vmap", False)) and not _hf_mask_kinds.broadcastable(
-        kwargs.get("mask_function")
-    )
-    evaluate = blocks = None
-    if callable(function):
-        evaluate = _hf_mask.hook_mask(function, padding, use_vmap, device)
-        blocks = _hf_mask.hook_blocks(function, padding, use_vmap, device)
-    if facts is not None and facts.mixers and padding is None and evaluate is not None:
-        _refuse_packed_mixers(facts.mixers, model, evaluate, batch_size, kv_length, chunk)
-    if facts is not None and facts.blind and padding is not None:
-        _refuse_padding_blind_mixers(facts.blind, model)
     request = MaskRequest(
         model,
         batch_size,
         kv_length,
         device,
         padding,
-        evaluate,
-        blocks=blocks,
+        # the evaluators are made from the function on first use (a batch of a proved class
+        # never evaluates it); transformers vmaps as soon as a model adds a function of its
+        # own, and a tree recognised to broadcast is evaluated exactly without it
+        function=function if callable(function) else None,
+        use_vmap=bool(kwargs.get("use_vmap", False)),
         chunk_size=chunk,
         mask_given=attention_mask is not None,
     )
     if facts is not None:
+        if facts.mixers and padding is None and request.function is not None:
+            evaluate = request.model_mask()
+            assert evaluate is not None  # made from the function
+            _refuse_packed_mixers(facts.mixers, model, evaluate, batch_size, kv_length, chunk)
+        if facts.blind and padding is not None:
+            _refuse_padding_blind_mixers(facts.blind, model)
         request.attention_layers = facts.attention_layers
         request.mixers = facts.mixers
     proof = _hf_mask_kinds.proof_signature(function)
@@ -365,23 +368,30 @@ def _batch_layout(
     device: torch.device,
     spec: AttentionSpec,
     kwargs: Mapping[str, Any],
+    *,
+    rows_proved: bool = False,
 ) -> tuple[BatchLayout, torch.Tensor | None]:
-    """The batch's layout, checked against the model's own mask wherever there is one, and
-    the packed source a hooked call marked as served (`_hooked_layout`)."""
+    """The batch's layout, checked against the model's own mask wherever there is one (whole
+    rows need no check where ``rows_proved``: the call's class proved them, `_CallClass`),
+    and the packed source a hooked call marked as served (`_hooked_layout`)."""
     layer = type(module).__name__
     if request is not None:
         layout, served = _hooked_layout(request, batch, seq, kwargs, layer)
+        if rows_proved and _whole_rows(layout):
+            return layout, served
         verdict = (id(layout), spec.causal, spec.window, spec.chunk_size)
-        if request.evaluate is not None and verdict not in request.checked:
+        if request.has_mask and verdict not in request.checked:
             proof = _hf_proof.mask_proof(request, layout, spec)
             if proof is None or not _hf_proof.proved(module, proof):
+                evaluate = request.model_mask()
+                assert evaluate is not None  # has_mask
                 _hf_mask.check_mask(
-                    request.evaluate,
+                    evaluate,
                     layout,
                     spec,
                     model_name=request.model,
                     layer=layer,
-                    blocks=request.blocks,
+                    blocks=request.model_blocks(),
                 )
                 if proof is not None:
                     _hf_proof.remember(module, proof)
@@ -456,6 +466,14 @@ class _Lane:
     plan: object
     served: torch.Tensor | None
     """The packed source each call marks as served (`mark_served`), None for rows."""
+    bound: BoundForward | None = None
+    """The backend's ``forward`` bound to the call's input signature, which the lane key
+    holds (`PrefillBackend.bind_forward`); None: ``forward`` runs every call."""
+
+
+Geometry = tuple[object, ...]
+"""Shape, strides and storage offset of q, k and v: everything the contract's input checks
+read of them besides dtype and device (`separate_signature`)."""
 
 
 def _lane_key(
@@ -468,56 +486,163 @@ def _lane_key(
     is_causal: bool | None,
     backend: str | None,
     kwargs: Mapping[str, Any],
-) -> Hashable | None:
+) -> tuple[tuple[object, ...], Geometry, tuple[int, int, int]] | None:
     """Everything the resolution of a call reads, `refuse_unsupported_call` included, as a
-    value (None: resolve it in full; a kwarg of a type only the full path judges). The
-    kwargs' sources enter by id: the lane keeps them alive, so an id seen again while it
-    lives is the very same object."""
+    value (None: resolve it in full; a kwarg of a type only the full path judges): the call's
+    facts but its tensors' geometry (what its class depends on with the heads, `_class_key`),
+    that geometry (so a lane's bound forward serves exactly the inputs it was checked for),
+    and the ids of the kwargs that may lay out its batch. Those enter by id: the lane keeps
+    them alive, so an id seen again while it lives is the very same object."""
     features = _hf_call.feature_key(kwargs)
     if features is None:
         return None
     return (
-        query.shape,
-        key.shape,
-        value.shape,
-        query.dtype,
-        query.device,
-        scaling,
-        is_causal,
-        getattr(module, "is_causal", None),  # untyped: not every module defines it
-        dropout > 0 and module.training,
-        bool(kwargs.get("output_attentions")),
-        *features,
-        backend,
-        id(kwargs.get("cu_seq_lens_q")),
-        id(kwargs.get("cu_seq_lens_k")),
-        id(kwargs.get("position_ids")),
+        (
+            query.dtype,
+            key.dtype,
+            value.dtype,
+            query.device,
+            key.device,
+            value.device,
+            scaling,
+            is_causal,
+            getattr(module, "is_causal", None),  # untyped: not every module defines it
+            dropout > 0 and module.training,
+            bool(kwargs.get("output_attentions")),
+            *features,
+            backend,
+        ),
+        (
+            query.shape,
+            query.stride(),
+            query.storage_offset(),
+            key.shape,
+            key.stride(),
+            key.storage_offset(),
+            value.shape,
+            value.stride(),
+            value.storage_offset(),
+        ),
+        (
+            id(kwargs.get("cu_seq_lens_q")),
+            id(kwargs.get("cu_seq_lens_k")),
+            id(kwargs.get("position_ids")),
+        ),
     )
+
+
+def _heads(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor) -> Hashable | None:
+    """What a call's class reads of its tensors' shapes: the head counts and head dims, and
+    whether q, k and v agree on the batch and the tokens (`refuse_unsupported_call`); None
+    where they are not 4-D (refused in full)."""
+    q, k, v = query.shape, key.shape, value.shape
+    if len(q) != 4 or len(k) != 4 or len(v) != 4:
+        return None
+    same = q[0] == k[0] == v[0] and q[2] == k[2] == v[2]
+    return (q[1], k[1], v[1], q[3], k[3], v[3], same)
+
+
+@dataclass(frozen=True, eq=False)
+class _CallClass:
+    """What one class of call resolved to, kept on its attention module across forwards: the
+    spec, the selection, and whether the model's mask is proved on whole rows (every row one
+    sequence, no padding) for it. The class holds everything these depend on
+    (`_class_key`), so a later forward of the class reads them back instead of refusing,
+    building, selecting and proving again; its layout and plan are the batch's own."""
+
+    spec: AttentionSpec
+    selection: Selection
+    rows_proved: bool
+
+
+def _class_key(
+    facts: tuple[object, ...], heads: Hashable | None, request: MaskRequest, declared: bool
+) -> Hashable | None:
+    """The class of a call under the forward's mask: the call's own facts (`_lane_key`) with
+    its heads (`_heads`), not its batch's size, the mask function as a value, a chunked mask's
+    chunk and the `decision_epoch`. None when the spec would depend on more: a layer that
+    declares no causal flag reads it from the model's mask per forward, and a mask function
+    that is not a value proves no class."""
+    if heads is None or not declared or (request.has_mask and request.proof is None):
+        return None
+    return (facts, heads, request.proof, request.chunk_size, request.epoch)
+
+
+def request_reads_data(request: MaskRequest | None) -> bool:
+    """Whether the model's mask reads tensors of the batch (packed-sequence ids, remapped
+    positions): then each batch's own are checked, and no class proves them once."""
+    return request is not None and bool(request.packed_ids)
+
+
+def _whole_rows(layout: BatchLayout) -> bool:
+    """Every row is one sequence, no padding: the layout a `_CallClass` proves once."""
+    return layout.cells is None and not layout.segments
 
 
 def _resolve(
     module: torch.nn.Module,
     query: torch.Tensor,
     key: torch.Tensor,
+    value: torch.Tensor,
     attention_mask: torch.Tensor | None,
     request: MaskRequest | None,
+    dropout: float,
     scaling: float | None,
     is_causal: bool | None,
     backend: str | None,
     kwargs: Mapping[str, Any],
+    call: tuple[object, ...] | None,
 ) -> _Lane:
     """The full path: the spec, the layout checked against the model's mask, the backend and
-    the plan of one call."""
-    spec = _hf_call.layer_spec(
-        module, query, key, scaling, is_causal, kwargs, request, attention_mask
-    )
+    the plan of one call; what depends on the class of the call alone is read back from the
+    module where an earlier forward resolved it (`_CallClass`)."""
+    klass: Hashable | None = None
+    known: _CallClass | None = None
+    if call is not None and request is not None:
+        # untyped: not every transformers attention module defines is_causal
+        declared = is_causal is not None or getattr(module, "is_causal", None) is not None
+        klass = _class_key(call, _heads(query, key, value), request, declared)
+        kept: dict[Hashable, _CallClass] | None = module.__dict__.get(_hf_proof.CLASSES)
+        known = kept.get(klass) if kept is not None and klass is not None else None
     batch, _, seq, _ = query.shape
-    layout, served = _batch_layout(
-        module, attention_mask, request, batch, seq, query.device, spec, kwargs
-    )
-    selection = _hf_call.layer_selection(
-        module, spec, query.device, backend, epoch=request.epoch if request is not None else None
-    )
+    if known is None:
+        _hf_call.refuse_unsupported_call(module, query, key, value, dropout, kwargs)
+        spec = _hf_call.layer_spec(
+            module, query, key, scaling, is_causal, kwargs, request, attention_mask
+        )
+        selection = _hf_call.layer_selection(
+            module,
+            spec,
+            query.device,
+            backend,
+            epoch=request.epoch if request is not None else None,
+        )
+        layout, served = _batch_layout(
+            module, attention_mask, request, batch, seq, query.device, spec, kwargs
+        )
+        if klass is not None:
+            proved = _whole_rows(layout) and not request_reads_data(request)
+            _hf_call.keep(module, _hf_proof.CLASSES, klass, _CallClass(spec, selection, proved))
+    else:
+        spec, selection = known.spec, known.selection
+        layout, served = _batch_layout(
+            module,
+            attention_mask,
+            request,
+            batch,
+            seq,
+            query.device,
+            spec,
+            kwargs,
+            rows_proved=known.rows_proved,
+        )
+        if (
+            not known.rows_proved
+            and klass is not None
+            and _whole_rows(layout)
+            and not request_reads_data(request)
+        ):
+            _hf_call.keep(module, _hf_proof.CLASSES, klass, _CallClass(spec, selection, True))
     plan = _plan_for(layout, selection, spec)
     sources = (
         kwargs.get("cu_seq_lens_q"),
@@ -556,31 +681,74 @@ def attention_forward(
     )
     if call is not None and request is not None:
         lane = request.lanes.get(call)
-    if lane is None:
-        _hf_call.refuse_unsupported_call(module, query, key, value, dropout, kwargs)
+    if lane is not None:
+        if lane.served is not None and request is not None:
+            mark_served(  # every attention call that reads the packed boundaries counts
+                lane.served,
+                request=request.serial,
+                newest=_hf_mask.newest_serial(),
+                expected=request.attention_layers,
+            )
+        qkv = _kernel_input(query, key, value, lane.layout)
+    else:
         lane = _resolve(
-            module, query, key, attention_mask, request, scaling, is_causal, backend, kwargs
+            module,
+            query,
+            key,
+            value,
+            attention_mask,
+            request,
+            dropout,
+            scaling,
+            is_causal,
+            backend,
+            kwargs,
+            call[0] if call is not None else None,
         )
+        qkv = _kernel_input(query, key, value, lane.layout)
         if call is not None and request is not None:
+            lane = _bound(lane, qkv)  # the input's checks run here once, for the whole lane
             request.lanes[call] = lane
-    elif lane.served is not None and request is not None:
-        mark_served(  # every attention call that reads the packed boundaries counts
-            lane.served,
-            request=request.serial,
-            newest=_hf_mask.newest_serial(),
-            expected=request.attention_layers,
-        )
     spec, layout = lane.spec, lane.layout
-    batch, _, seq, head_dim = query.shape
-    q_rows = _token_rows(query, layout)
-    out = lane.backend.forward(
-        (q_rows, _token_rows(key, layout), _token_rows(value, layout)),
-        lane.plan,
-        sinks=_hf_features.sinks_from_hf(module, kwargs, spec.num_heads),
+    sinks = _hf_features.sinks_from_hf(module, kwargs, spec.num_heads)
+    out = (
+        lane.bound(qkv, sinks)
+        if lane.bound is not None
+        else lane.backend.forward(qkv, lane.plan, sinks=sinks)
     )
-    heads = spec.num_heads
+    batch, heads, seq, head_dim = query.shape[0], spec.num_heads, query.shape[2], query.shape[3]
     if layout.cells is None:
-        return out.view(batch, seq, heads, head_dim), None
+        return _viewed(out, (batch, seq, heads, head_dim)), None
     full = out.new_zeros(batch, seq, heads, head_dim)
-    full[layout.cells] = out.view(-1, heads, head_dim)
+    full[layout.cells] = _viewed(out, (-1, heads, head_dim))
     return full, None
+
+
+def _kernel_input(
+    query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, layout: BatchLayout
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """What the backend gets: rows of one whole sequence each go batch-major, as the model
+    hands them (a kernel that attends that layout reads them as they are); any other layout
+    goes as token rows."""
+    if layout.cells is None and not layout.segments:
+        return query, key, value
+    return _token_rows(query, layout), _token_rows(key, layout), _token_rows(value, layout)
+
+
+def _bound(lane: _Lane, qkv: tuple[torch.Tensor, torch.Tensor, torch.Tensor]) -> _Lane:
+    """``lane`` with its backend's ``forward`` bound to this input's signature, where the
+    backend offers that (`PrefillBackend.bind_forward`)."""
+    backend = lane.backend
+    if not isinstance(backend, PrefillBackend) or not isinstance(lane.plan, PrefillPlan):
+        return lane
+    bound = backend.bind_forward(qkv, lane.plan)
+    return lane if bound is None else dataclasses.replace(lane, bound=bound)
+
+
+def _viewed(out: torch.Tensor, shape: tuple[int, ...]) -> torch.Tensor:
+    """The kernel's output as ``shape``: a view where its strides allow (every kernel's so
+    far), else a copy."""
+    try:
+        return out.view(shape)
+    except RuntimeError:
+        return out.reshape(shape)
