@@ -52,7 +52,6 @@ needs it.
 
 from __future__ import annotations
 
-import dataclasses
 import functools
 import logging
 import threading
@@ -742,12 +741,16 @@ def _bound(lane: _Lane, qkv: tuple[torch.Tensor, torch.Tensor, torch.Tensor]) ->
     if not isinstance(backend, PrefillBackend) or not isinstance(lane.plan, PrefillPlan):
         return lane
     bound = backend.bind_forward(qkv, lane.plan)
-    return lane if bound is None else dataclasses.replace(lane, bound=bound)
+    if bound is None:
+        return lane
+    return _Lane(lane.sources, lane.spec, lane.layout, backend, lane.plan, lane.served, bound)
 
 
 def _viewed(out: torch.Tensor, shape: tuple[int, ...]) -> torch.Tensor:
     """The kernel's output as ``shape``: a view where its strides allow (every kernel's so
-    far), else a copy."""
+    far), else a copy. One sequence's rows gain the batch dimension whatever their strides."""
+    if shape[0] == 1 and len(shape) == out.dim() + 1 and out.shape == shape[1:]:
+        return out.unsqueeze(0)
     try:
         return out.view(shape)
     except RuntimeError:

@@ -340,9 +340,11 @@ def _attend_batch(
         )
     if result.dtype != spec.output_dtype:
         result = result.to(spec.output_dtype)
+    _, heads, length, dim = result.shape
     if q.shape[0] == 1:  # one sequence: its rows are a view, and the caller copies if it must
-        return result[0].transpose(0, 1)
-    return result.transpose(1, 2).reshape(-1, q.shape[1], q.shape[3])
+        _, s_head, s_token, s_dim = result.stride()
+        return result.as_strided((length, heads, dim), (s_token, s_head, s_dim))
+    return result.transpose(1, 2).reshape(-1, heads, dim)
 
 
 def _run_view(x: torch.Tensor, count: int, length: int) -> torch.Tensor:

@@ -8,12 +8,30 @@
 #     scripts/gpu/serving_round.sh 3 "$OUT"   # the contract's host time per call (flashinfer,
 #                                             # torch-varlen); BGE-M3's mask-check share
 #     scripts/gpu/serving_round.sh 4 "$OUT"   # EmbeddingGemma's mask-check share
+#     scripts/gpu/serving_round.sh 5 "$OUT"   # the hot path's GPU tests; BGE-M3 packed and
+#                                             # padded in alternating rounds, this tree and the
+#                                             # one in .old/ (git archive REV attn_backends
+#                                             # plugins | tar -x -C .old), one process each
+#     scripts/gpu/serving_round.sh 6 "$OUT"   # the same A/B again; BGE-M3 and Qwen3 with the
+#                                             # host time per layer; API-raw
 set -u
-part=${1:?usage: scripts/gpu/serving_round.sh 1|2|3|4 OUT}
-out=${2:?usage: scripts/gpu/serving_round.sh 1|2|3|4 OUT}
+part=${1:?usage: scripts/gpu/serving_round.sh 1|2|3|4|5|6 OUT}
+out=${2:?usage: scripts/gpu/serving_round.sh 1|2|3|4|5|6 OUT}
 mkdir -p "$out"
 . scripts/gpu/setup.sh || exit 1
 . scripts/gpu/boxed.sh  # step, boxed
+
+# BGE-M3's packed and padded paths in alternating rounds (serving_ab.py), this tree's library
+# and .old/'s, one process each: round $1 of the pair
+ab_round() {
+    local args=(--model bge-m3 --workloads "queries 8,queries 1,documents" --rounds 5
+        --repeats 10)
+    boxed 110 "ab-new-$1" python3 benchmarks/serving_ab.py --label new "${args[@]}"
+    if [ -d .old/attn_backends ]; then
+        boxed 110 "ab-old-$1" env PYTHONPATH="$PWD/.old:$PWD/.old/plugins:$PYTHONPATH" \
+            python3 benchmarks/serving_ab.py --label old "${args[@]}"
+    fi
+}
 
 step "part $part on $(nvidia-smi --query-gpu=name,driver_version --format=csv,noheader)"
 python3 -c "import torch, transformers, sentence_transformers as s; print(torch.__version__, \
@@ -55,8 +73,22 @@ print(",".join(str(r.randint(16, 512)) for _ in range(64)))')
         --models embeddinggemma --workloads "queries 8,queries 1,documents" \
         --paths st-packed --repeats 5 --host-time
     ;;
+5)
+    boxed 240 gpu-hot-path python3 -m pytest -q -p no:cacheprovider -rfE \
+        tests/gpu/test_hot_path_gpu.py tests/gpu/test_graph_runner_gpu.py
+    ab_round 1
+    ;;
+6)
+    ab_round 2
+    boxed 200 serving-host python3 benchmarks/serving_bench.py --out "$out/serving-host" \
+        --models bge-m3,qwen3 --workloads "queries 1,queries 8,documents" \
+        --paths st-padded-sdpa,st-packed --repeats 5 --host-time
+    boxed 60 bench-api-raw python3 benchmarks/bench.py --out "$out/bench" \
+        --workloads bge-m3-q4x32,bge-m3 --modes host,latency --backends flashinfer \
+        --time-budget-s 40
+    ;;
 *)
-    echo "part must be 1, 2, 3 or 4, got $part" >&2
+    echo "part must be 1, 2, 3, 4, 5 or 6, got $part" >&2
     exit 2
     ;;
 esac
