@@ -79,6 +79,8 @@ print(",".join(str(r.randint(16, 512)) for _ in range(64)))')
     ab_round 1
     ;;
 6)
+    boxed 150 gpu-integration python3 -m pytest -q -p no:cacheprovider -rfE \
+        tests/gpu/test_hot_path_gpu.py -k integration
     ab_round 2
     boxed 200 serving-host python3 benchmarks/serving_bench.py --out "$out/serving-host" \
         --models bge-m3,qwen3 --workloads "queries 1,queries 8,documents" \

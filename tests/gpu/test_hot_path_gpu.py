@@ -5,6 +5,7 @@ batches) against the same weights on HF sdpa."""
 
 from __future__ import annotations
 
+import copy
 import itertools
 from typing import Any
 
@@ -92,8 +93,12 @@ def _models(kind: str) -> tuple[Any, Any]:
         config = t.Qwen3Config(**common, num_key_value_heads=2, head_dim=64, use_cache=False)
     torch.manual_seed(0)
     ours = t.AutoModel.from_config(config, attn_implementation=abt.register(), dtype=torch.bfloat16)
-    sdpa = t.AutoModel.from_config(config, attn_implementation="sdpa", dtype=torch.bfloat16)
+    # a config of its own: from_config sets the attention implementation on the one it is given
+    sdpa = t.AutoModel.from_config(
+        copy.deepcopy(config), attn_implementation="sdpa", dtype=torch.bfloat16
+    )
     sdpa.load_state_dict(ours.state_dict())
+    assert ours.config._attn_implementation == abt.DEFAULT_NAME
     return ours.cuda().eval(), sdpa.cuda().eval()
 
 
