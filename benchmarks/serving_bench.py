@@ -412,8 +412,11 @@ def _timed(owner: Any, attribute: str, spent: list[float]) -> Iterator[None]:
 def host_per_layer(paths: Paths, batch: list[str], encodes: int = 10) -> dict[str, float]:
     """The integration's host time per attention layer call beyond the kernel, for the packed
     path (CPU: the kernel's own time is its host time, so it is taken out): the mask hook, the
-    attention hook minus the backend's ``forward``, and ``forward`` minus the kernel call
-    (``attend``), averaged over ``encodes`` encodes.
+    attention hook minus the backend's contract path, and that path (``forward``, or the
+    forward a lane bound to its input, `BoundForward`) minus the kernel call (``attend``),
+    averaged over ``encodes`` encodes. The contract is timed where it starts
+    (`ForwardPath.run`, `BoundForward.__call__`), not by wrapping the backend's ``forward``:
+    a backend with a ``forward`` of its own is never bound, so that would time another path.
 
     Also how much of those encodes the check of the model's mask takes: the full check
     (`_hf_mask.check_mask`, transformers' mask function evaluated against the library's) and
@@ -423,6 +426,7 @@ def host_per_layer(paths: Paths, batch: list[str], encodes: int = 10) -> dict[st
     from transformers import AttentionInterface
     from transformers.masking_utils import AttentionMaskInterface
 
+    from attn_backends._path._contract import BoundForward, ForwardPath
     from attn_backends.integrations import _hf_mask, _hf_proof
     from attn_backends.integrations.transformers import clear_layout_cache, decisions
 
@@ -448,7 +452,8 @@ def host_per_layer(paths: Paths, batch: list[str], encodes: int = 10) -> dict[st
     attention[name], masks[name] = _timing(original_attention, hook), _timing(original_mask, mask)
     try:
         with contextlib.ExitStack() as timed:
-            timed.enter_context(_timed(backend_class, "forward", forward))
+            timed.enter_context(_timed(ForwardPath, "run", forward))
+            timed.enter_context(_timed(BoundForward, "__call__", forward))
             timed.enter_context(_timed(backend_class, "attend", kernel))
             timed.enter_context(_timed(_hf_mask, "check_mask", check))
             timed.enter_context(_timed(_hf_proof, "mask_proof", proof))
