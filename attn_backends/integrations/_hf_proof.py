@@ -135,11 +135,15 @@ def positions_split_at(row: torch.Tensor, starts: list[int], *, strict: bool) ->
     ``starts`` (the first at 0); ``strict``: and break that count at every later start, as
     transformers finds packed sequences in them. A few tensor operations and one host read,
     whatever the row's length; positions that cannot count (bool, complex) do not."""
+    return _positions_break_at(row, _boundary_mask(starts, row.shape[0], row.device), strict)
+
+
+def _positions_break_at(row: torch.Tensor, boundary: torch.Tensor, strict: bool) -> bool:
+    """`positions_split_at` against a `_boundary_mask` already made."""
     dtype = row.dtype
     if dtype == torch.bool or dtype.is_complex:
         return False
     breaks = row[1:] - row[:-1] != 1  # step i: i -> i + 1
-    boundary = _boundary_mask(starts, row.shape[0], row.device)
     # strict: the breaks are the boundaries; else they are among them
     return torch.equal(breaks, boundary) if strict else torch.equal(breaks | boundary, boundary)
 
@@ -166,16 +170,18 @@ def _reads_match_segments(data: tuple[tuple[str, Any], ...], layout: BatchLayout
         return False
     if any(a[2] != b[1] for a, b in itertools.pairwise(layout.segments)):
         return False
+    boundary: torch.Tensor | None = None  # made once, for every tensor read
     for role, tensor in data:
         if not isinstance(tensor, torch.Tensor) or tuple(tensor.shape) != (1, layout.seq):
             return False
         row = tensor[0]
+        if boundary is None or boundary.device != row.device:
+            boundary = _boundary_mask(starts, layout.seq, row.device)
         if role == "ids":
-            changes = row[1:] != row[:-1]  # step i: i -> i + 1
-            if not torch.equal(changes, _boundary_mask(starts, layout.seq, row.device)):
+            if not torch.equal(row[1:] != row[:-1], boundary):  # step i: i -> i + 1
                 return False
         elif role == "positions":
-            if not positions_split_at(row, starts, strict=False):
+            if not _positions_break_at(row, boundary, strict=False):
                 return False
         else:
             return False
