@@ -227,6 +227,20 @@ def separate_geometry(
     dense = layout == "dense-tensors" or not all(
         accepts_rows(t[:tokens].flatten(1)) for t in (q, k, v)
     )
+    grids = (_grid(q, given.q), _grid(k, given.k), _grid(v, given.v))
+    return _views_geometry(spec, tokens, grids, dense=dense, batch=False)
+
+
+def _views_geometry(
+    spec: AttentionSpec,
+    tokens: int,
+    grids: tuple[Grid, Grid, Grid],
+    *,
+    dense: bool,
+    batch: bool,
+) -> Geometry:
+    """The `Geometry` of checked separate input: ``grids`` make its ``[rows, heads, D]`` views
+    (``batch``: from batch-major tensors, for kernels that read rows), ``dense`` copies them."""
     return Geometry(
         tokens=tokens,
         heads_size=(tokens, spec.num_heads + 2 * spec.num_kv_heads, spec.head_dim),
@@ -239,7 +253,8 @@ def separate_geometry(
         output_rows=(tokens, spec.q_width),
         output_dtype=spec.output_dtype,
         plain=False,
-        grids=(_grid(q, given.q), _grid(k, given.k), _grid(v, given.v)),
+        grids=grids,
+        batch=batch,
     )
 
 
@@ -267,26 +282,12 @@ def _batch_geometry(
         _batch_grid(name, t, n, spec, params)
         for name, t, n in zip("qkv", tensors, heads, strict=True)
     )
-    tokens = params.token_q_num
     dense = layout == "dense-tensors" or not all(
         grid.copied or accepts_rows(grid.of(t).flatten(1))
         for grid, t in zip(grids, tensors, strict=True)
     )
-    return Geometry(
-        tokens=tokens,
-        heads_size=(tokens, spec.num_heads + 2 * spec.num_kv_heads, spec.head_dim),
-        heads_stride=(0, spec.head_dim, 1),
-        storage_offset=0,
-        split=(spec.num_heads, spec.num_kv_heads, spec.num_kv_heads),
-        copy_rows=False,
-        dense_tensors=dense,
-        output_shape=torch.Size((tokens, spec.num_heads, spec.head_dim)),
-        output_rows=(tokens, spec.q_width),
-        output_dtype=spec.output_dtype,
-        plain=False,
-        grids=cast(tuple[Grid, Grid, Grid], grids),
-        batch=True,
-    )
+    three = cast(tuple[Grid, Grid, Grid], grids)
+    return _views_geometry(spec, params.token_q_num, three, dense=dense, batch=True)
 
 
 ADDRESS_CLASS = 256

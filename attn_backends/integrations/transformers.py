@@ -567,7 +567,7 @@ def _class_key(
     return (facts, heads, request.proof, request.chunk_size, request.epoch)
 
 
-def request_reads_data(request: MaskRequest | None) -> bool:
+def _reads_data(request: MaskRequest | None) -> bool:
     """Whether the model's mask reads tensors of the batch (packed-sequence ids, remapped
     positions): then each batch's own are checked, and no class proves them once."""
     return request is not None and bool(request.packed_ids)
@@ -620,7 +620,7 @@ def _resolve(
             module, attention_mask, request, batch, seq, query.device, spec, kwargs
         )
         if klass is not None:
-            proved = _whole_rows(layout) and not request_reads_data(request)
+            proved = _whole_rows(layout) and not _reads_data(request)
             _hf_call.keep(module, _hf_proof.CLASSES, klass, _CallClass(spec, selection, proved))
     else:
         spec, selection = known.spec, known.selection
@@ -639,7 +639,7 @@ def _resolve(
             not known.rows_proved
             and klass is not None
             and _whole_rows(layout)
-            and not request_reads_data(request)
+            and not _reads_data(request)
         ):
             _hf_call.keep(module, _hf_proof.CLASSES, klass, _CallClass(spec, selection, True))
     plan = _plan_for(layout, selection, spec)
