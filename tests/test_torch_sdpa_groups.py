@@ -19,6 +19,7 @@ def _spec(causal: bool, dtype: torch.dtype = torch.float32, **kw: object) -> ab.
     return ab.AttentionSpec(8, 2, 16, dtype, causal, **kw)  # type: ignore[arg-type]
 
 
+CPU_DEVICE = torch.device("cpu")
 FEATURES = ("alibi", "chunks", "plain", "window")
 
 
@@ -109,27 +110,40 @@ def test_a_sequence_joins_a_group_while_its_padding_costs_less_than_a_call():
 
 @pytest.mark.parametrize("seed", range(6))
 def test_host_and_tensor_indices_agree(seed, monkeypatch):
-    """Both ways of building a plan's gather indices give the same groups, on random batches
+    """Both ways of building a plan's gather indices give the same indices, on random batches
     of one to many groups (zero-length sequences included)."""
     gen = torch.Generator().manual_seed(seed)
     count = int(torch.randint(2, 40, (), generator=gen))
     lengths = tuple(int(n) for n in torch.randint(0, 70, (count,), generator=gen))
     lengths = (*lengths, 5)  # at least one token
-    spec = _spec(causal=False)  # each group's mask is then its valid keys alone
-    params = ab.FMHAParams.from_lengths(lengths, device="cpu")
-    monkeypatch.setitem(torch_sdpa.CALL_COST, "cpu", 1 << (10 + 2 * seed))
+    members = torch_sdpa._group_members(lengths, 64, 1 << (10 + 2 * seed))
+    tokens = sum(lengths)
     monkeypatch.setattr(torch_sdpa, "HOST_INDEX_SLOTS", 1 << 30)
-    host_groups, host_take = torch_sdpa._groups(spec, params)
+    host = torch_sdpa._indices(members, lengths, tokens, CPU_DEVICE)
     monkeypatch.setattr(torch_sdpa, "HOST_INDEX_SLOTS", 0)
-    tensor_groups, tensor_take = torch_sdpa._groups(spec, params)
-    assert torch.equal(host_take, tensor_take)
-    assert [(g.count, g.length) for g in host_groups] == [
-        (g.count, g.length) for g in tensor_groups
-    ]
-    for a, b in zip(host_groups, tensor_groups, strict=True):
-        assert torch.equal(a.gather, b.gather) and torch.equal(a.mask, b.mask)
-    # each packed row's slot reads that row and holds a real key; no other slot does
-    rows = torch.cat([g.gather for g in host_groups])
-    keys = torch.cat([g.mask.reshape(-1) for g in host_groups])
-    assert torch.equal(rows[host_take], torch.arange(params.token_q_num))
-    assert bool(keys[host_take].all()) and int(keys.sum()) == params.token_q_num
+    tensor = torch_sdpa._indices(members, lengths, tokens, CPU_DEVICE)
+    for a, b in zip(host, tensor, strict=True):
+        assert torch.equal(a, b)
+
+
+@pytest.mark.parametrize("seed", range(8))
+def test_one_group_in_batch_order_gathers_and_returns_every_row(seed):
+    """A single group keeps the batch's order on the CPU, its indices made from the valid
+    slots: each sequence's rows in its slots, padded slots repeating its last row, and every
+    packed row taken back from its own slot; the same cells as the longest-first builder."""
+    gen = torch.Generator().manual_seed(100 + seed)
+    count = int(torch.randint(1, 12, (), generator=gen))
+    lengths = tuple(int(n) for n in torch.randint(0, 30, (count,), generator=gen))
+    lengths = (*lengths, 3)
+    group = [i for i, n in enumerate(lengths) if n > 0]
+    rows, valid, take = torch_sdpa._one_group_indices(group, lengths)
+    length = max(lengths)
+    starts = [sum(lengths[:i]) for i in range(len(lengths))]
+    want_rows = [starts[i] + min(j, lengths[i] - 1) for i in group for j in range(length)]
+    want_valid = [j < lengths[i] for i in group for j in range(length)]
+    assert rows.tolist() == want_rows and valid.tolist() == want_valid
+    assert torch.equal(rows.index_select(0, take), torch.arange(sum(lengths)))
+    old_rows, old_valid, _ = torch_sdpa._indices(
+        torch_sdpa._group_members(lengths, 64, 1 << 40), lengths, sum(lengths), CPU_DEVICE
+    )
+    assert sorted(old_rows[old_valid].tolist()) == sorted(rows[valid].tolist())

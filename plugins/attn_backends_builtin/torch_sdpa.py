@@ -162,11 +162,16 @@ def _groups(spec: AttentionSpec, params: FMHAParams) -> tuple[tuple[_Group, ...]
     device = params.device
     unit = spec.num_heads * spec.head_dim
     members = _group_members(lengths, unit, CALL_COST.get(device.type, CALL_COST["cuda"]))
-    rows, valid_keys, take = _indices(members, lengths, params.token_q_num, device)
+    if len(members) == 1 and device.type == "cpu":
+        # one group: the batch's own order, whose indices follow from the valid slots
+        members = [sorted(members[0])]
+        rows, valid_keys, take = _one_group_indices(members[0], lengths)
+    else:
+        rows, valid_keys, take = _indices(members, lengths, params.token_q_num, device)
     groups: list[_Group] = []
     offset = 0
     for group in members:
-        count, length = len(group), lengths[group[0]]
+        count, length = len(group), max(lengths[i] for i in group)
         cells = slice(offset, offset + count * length)
         valid = valid_keys[cells].view(count, 1, 1, length)  # the padded keys hidden
         spec_mask = _spec_mask(spec, length, device)
@@ -220,6 +225,21 @@ def _indices(
     per_row = torch.tensor([shift, list(lengths)], dtype=torch.int64).to(device)
     slot_of = torch.repeat_interleave(per_row[0], per_row[1], output_size=tokens)
     return rows, offset <= last_of, slot_of + torch.arange(tokens, device=device)
+
+
+def _one_group_indices(
+    group: list[int], lengths: tuple[int, ...]
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """`_indices` of a single group whose sequences keep the batch's order (on the CPU): the
+    valid slots, in order, are the packed rows, so a slot reads the last valid row at or
+    before it (a running count of them) and each row's slot is the next valid one; three
+    tensor ops over one host buffer of the slots' flags, no per-slot Python."""
+    length = max(lengths[i] for i in group)
+    keys = bytearray()
+    for i in group:
+        keys += b"\x01" * lengths[i] + b"\x00" * (length - lengths[i])
+    valid = torch.frombuffer(keys, dtype=torch.bool)
+    return valid.cumsum(0) - 1, valid, valid.nonzero().view(-1)
 
 
 def _host_tensor(
