@@ -224,6 +224,7 @@ probe runs once per kind of mask, not once per forward."""
 
 
 _causal_lock = threading.Lock()
+"""Guards `_causal_by_proof`'s trim and store."""
 
 
 class MaskGuard(torch.Tensor):
