@@ -268,12 +268,12 @@ def _not_ours(backend: str, plan: object) -> ParamsError:
 
 
 def _as_rows(out: torch.Tensor, rows: tuple[int, int]) -> torch.Tensor:
-    """``out`` as ``[tokens, Hq * D]``: a view where its strides allow (every kernel's
-    output so far), else a copy; ``view`` is the cheaper call when it applies."""
-    try:
+    """``out`` as ``[tokens, Hq * D]``: a view where its strides allow, else a copy; ``view``
+    is the cheaper call for a dense output, ``reshape`` decides for any other (no exception
+    raised and caught per call: torch-sdpa's one-sequence output is a strided view)."""
+    if out.is_contiguous():
         return out.view(rows[0], rows[1])
-    except RuntimeError:
-        return out.reshape(rows[0], rows[1])
+    return out.reshape(rows[0], rows[1])
 
 
 def _pass_failure(mode: str, exc: Exception, note: str) -> BackendFailure:

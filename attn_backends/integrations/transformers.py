@@ -751,7 +751,4 @@ def _viewed(out: torch.Tensor, shape: tuple[int, ...]) -> torch.Tensor:
     far), else a copy. One sequence's rows gain the batch dimension whatever their strides."""
     if shape[0] == 1 and len(shape) == out.dim() + 1 and out.shape == shape[1:]:
         return out.unsqueeze(0)
-    try:
-        return out.view(shape)
-    except RuntimeError:
-        return out.reshape(shape)
+    return out.view(shape) if out.is_contiguous() else out.reshape(shape)

@@ -319,21 +319,11 @@ def _attend_whole(
     k: torch.Tensor,
     v: torch.Tensor,
 ) -> torch.Tensor:
-    """A batch of one run (one sequence, or sequences of one length) as one SDPA call on views
-    of the rows, its output made rows by one copy."""
+    """A batch of one run (one sequence, or sequences of one length) as one SDPA call on
+    batch-major views of the rows (`_attend_batch`)."""
     n, length = run.sequences, run.length
-    mask = masks.get(length)
-    result = F.scaled_dot_product_attention(
-        _run_view(q, n, length),
-        _run_view(k, n, length),
-        _run_view(v, n, length),
-        attn_mask=mask,
-        is_causal=spec.causal and mask is None,
-        scale=spec.scale,
-        enable_gqa=spec.is_gqa,
-    )
-    out = result.transpose(1, 2).reshape(q.shape)
-    return out if out.dtype == spec.output_dtype else out.to(spec.output_dtype)
+    views = (_run_view(q, n, length), _run_view(k, n, length), _run_view(v, n, length))
+    return _attend_batch(spec, masks.get(length), views, None)
 
 
 def _attend_batch(
@@ -343,7 +333,8 @@ def _attend_batch(
     sinks: torch.Tensor | None,
 ) -> torch.Tensor:
     """Batch-major input (``[n, H, L, D]`` each, one run): SDPA on the tensors as given, the
-    layout it takes, its output made rows by one copy."""
+    layout it takes; its output as rows, a view for one sequence (the caller copies if it
+    must), else one copy."""
     q, k, v = batch
     if sinks is not None:
         assert mask is not None  # built for every length of a spec with sinks
