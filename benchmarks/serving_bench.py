@@ -422,12 +422,20 @@ def host_per_layer(paths: Paths, batch: list[str], encodes: int = 10) -> dict[st
     (`_hf_mask.check_mask`, transformers' mask function evaluated against the library's) and
     the per-forward comparison with the proof that lets later batches skip it
     (`_hf_proof.mask_proof` and `proved`), as calls per forward and shares of the encodes'
-    wall time (synchronised at the end of each)."""
+    wall time (synchronised at the end of each).
+
+    And the same host time beyond the kernel for two kinds of attention call apart: a call
+    that resolves its lane (`transformers._resolve`: the layout, the proof, the plan; once per
+    forward and class of call) and a call that reuses the lane an earlier layer of its forward
+    resolved. A deep model makes the second kind at every layer but the first of each class,
+    so its per-layer cost is what the depth multiplies; the first kind is a cost per forward,
+    which the tiny models' two layers split only two ways."""
     from transformers import AttentionInterface
     from transformers.masking_utils import AttentionMaskInterface
 
     from attn_backends._path._contract import BoundForward, ForwardPath
     from attn_backends.integrations import _hf_mask, _hf_proof
+    from attn_backends.integrations import transformers as integration
     from attn_backends.integrations.transformers import clear_layout_cache, decisions
 
     model = paths.packed
@@ -441,6 +449,20 @@ def host_per_layer(paths: Paths, batch: list[str], encodes: int = 10) -> dict[st
     attention = AttentionInterface._global_mapping
     masks = AttentionMaskInterface._global_mapping
     original_attention, original_mask = attention[name], masks[name]
+    resolves: list[float] = []
+    # per attention call: its time beyond the kernel, and whether it resolved its lane
+    calls_beyond: list[tuple[float, bool]] = []
+
+    def hooked(*args: Any, **kwargs: Any) -> Any:
+        resolved, kernels = len(resolves), len(kernel)
+        start = time.perf_counter()
+        try:
+            return original_attention(*args, **kwargs)
+        finally:
+            spent = time.perf_counter() - start
+            hook.append(spent)
+            calls_beyond.append((spent - sum(kernel[kernels:]), len(resolves) > resolved))
+
     check: list[float] = []
     proof: list[float] = []
     encode_s = 0.0
@@ -449,12 +471,13 @@ def host_per_layer(paths: Paths, batch: list[str], encodes: int = 10) -> dict[st
     # past the model's own hooks)
     embed = model[0].model.get_input_embeddings()
     counting = embed.register_forward_pre_hook(lambda *_: forwards.append(None))
-    attention[name], masks[name] = _timing(original_attention, hook), _timing(original_mask, mask)
+    attention[name], masks[name] = hooked, _timing(original_mask, mask)
     try:
         with contextlib.ExitStack() as timed:
             timed.enter_context(_timed(ForwardPath, "run", forward))
             timed.enter_context(_timed(BoundForward, "__call__", forward))
             timed.enter_context(_timed(backend_class, "attend", kernel))
+            timed.enter_context(_timed(integration, "_resolve", resolves))
             timed.enter_context(_timed(_hf_mask, "check_mask", check))
             timed.enter_context(_timed(_hf_proof, "mask_proof", proof))
             timed.enter_context(_timed(_hf_proof, "proved", proof))
@@ -479,6 +502,10 @@ def host_per_layer(paths: Paths, batch: list[str], encodes: int = 10) -> dict[st
     parts["mask_checks_per_forward"] = len(check) / max(1, len(forwards))
     parts["mask_check_share"] = sum(check) / encode_s if encode_s else 0.0
     parts["proof_check_share"] = sum(proof) / encode_s if encode_s else 0.0
+    for kind, resolving in (("resolving", True), ("reusing", False)):
+        beyond = [s for s, r in calls_beyond if r is resolving]
+        parts[f"{kind}_calls"] = float(len(beyond))
+        parts[f"{kind}_call"] = sum(beyond) / len(beyond) * 1e6 if beyond else 0.0
     return parts
 
 
@@ -803,13 +830,17 @@ def _markdown(report: list[dict[str, Any]], device: torch.device) -> str:
     if hosts:
         lines += [
             "",
-            "Host time per attention layer call of `st-packed`, beyond the kernel (µs; one "
-            "profiled encode after the timed ones):",
+            "Host time per attention layer call of `st-packed`, beyond the kernel (µs; ten "
+            "profiled encodes after the timed ones). The last two columns split the attention "
+            "calls: one that resolves its lane (layout, proof, plan: once per forward and class "
+            "of call) and one that reuses the lane of an earlier layer (what each further layer "
+            "of a deep model costs), with the number of calls of each:",
             "",
             "| model | workload | mask hook per layer | attention hook around the backend "
             "| backend path around the kernel | total beyond the kernel "
-            "| mask checks per forward | mask check share | proof check share |",
-            "|---|---|---:|---:|---:|---:|---:|---:|---:|",
+            "| mask checks per forward | mask check share | proof check share "
+            "| a call that resolves its lane | a call that reuses it |",
+            "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
         ]
         for r in hosts:
             h = r["extra"]["host_us_per_layer"]
@@ -819,9 +850,15 @@ def _markdown(report: list[dict[str, Any]], device: torch.device) -> str:
                 if "mask_check_share" in h
                 else " | | "  # a report written before these columns
             )
+            split = (
+                f"{h['resolving_call']:.1f} ({h['resolving_calls']:.0f}) | "
+                f"{h['reusing_call']:.1f} ({h['reusing_calls']:.0f})"
+                if "reusing_call" in h
+                else " | "  # a report written before these columns
+            )
             lines.append(
                 f"| {r['model']} | {r['workload']} | {h['mask_hook']:.1f} | {h['hook']:.1f} | "
-                f"{h['backend_path']:.1f} | {h['total']:.1f} | {shares} |"
+                f"{h['backend_path']:.1f} | {h['total']:.1f} | {shares} | {split} |"
             )
     return "\n".join(lines) + "\n"
 

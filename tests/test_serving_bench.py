@@ -93,6 +93,11 @@ def test_cpu_tiny_mode_reports_the_ratio_and_the_host_time_beyond_the_kernel(tmp
     parts = ("mask_hook", "hook", "backend_path")
     assert all(host[k] >= 0 for k in parts), host
     assert host["total"] == pytest.approx(sum(host[k] for k in parts))
+    # the tiny BGE-M3's two layers make one class of call: the first resolves its lane, the
+    # second reuses it, in every forward
+    assert host["resolving_calls"] + host["reusing_calls"] == host["calls"], host
+    assert host["resolving_calls"] == host["reusing_calls"] > 0, host
+    assert host["resolving_call"] > 0 and host["reusing_call"] > 0, host
     # BGE-M3's packed mask is proved by its first forward: the profiled encodes (new boundaries
     # each) compare their proof and never run the full check again
     assert host["mask_checks_per_forward"] == 0, host
@@ -100,6 +105,7 @@ def test_cpu_tiny_mode_reports_the_ratio_and_the_host_time_beyond_the_kernel(tmp
     table = (tmp_path / "serving_bench.md").read_text()
     assert "| time / st-padded-sdpa |" in table and "total beyond the kernel" in table
     assert "| mask checks per forward | mask check share | proof check share |" in table
+    assert "| a call that resolves its lane | a call that reuses it |" in table
 
 
 def test_the_host_profile_counts_the_mask_checks_a_batch_cannot_skip(tmp_path, monkeypatch):

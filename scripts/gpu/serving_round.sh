@@ -14,9 +14,13 @@
 #                                             # plugins | tar -x -C .old), one process each
 #     scripts/gpu/serving_round.sh 6 "$OUT"   # the same A/B again; BGE-M3 and Qwen3 with the
 #                                             # host time per layer; API-raw
+#     scripts/gpu/serving_round.sh 7 "$OUT"   # the hot path's GPU tests; BGE-M3's issue rows
+#                                             # (queries, documents, bulk; packed and graph
+#                                             # runner) with the bound path's host time; API-raw;
+#                                             # cProfile of BGE-M3's queries, both paths
 set -u
-part=${1:?usage: scripts/gpu/serving_round.sh 1|2|3|4|5|6 OUT}
-out=${2:?usage: scripts/gpu/serving_round.sh 1|2|3|4|5|6 OUT}
+part=${1:?usage: scripts/gpu/serving_round.sh 1|2|3|4|5|6|7 OUT}
+out=${2:?usage: scripts/gpu/serving_round.sh 1|2|3|4|5|6|7 OUT}
 mkdir -p "$out"
 . scripts/gpu/setup.sh || exit 1
 . scripts/gpu/boxed.sh  # step, boxed
@@ -89,8 +93,20 @@ print(",".join(str(r.randint(16, 512)) for _ in range(64)))')
         --workloads bge-m3-q4x32,bge-m3 --modes host,latency --backends flashinfer \
         --time-budget-s 40
     ;;
+7)
+    boxed 200 gpu-hot-path python3 -m pytest -q -p no:cacheprovider -rfE \
+        tests/gpu/test_hot_path_gpu.py tests/gpu/test_graph_runner_gpu.py
+    boxed 280 serving-bge python3 benchmarks/serving_bench.py --out "$out/serving-bge" \
+        --models bge-m3 --workloads "queries 1,queries 8,queries 32,documents,bulk" \
+        --paths st-padded-sdpa,st-packed,st-packed-graphs --repeats 10 --host-time
+    boxed 40 bench-api-raw python3 benchmarks/bench.py --out "$out/bench" \
+        --workloads bge-m3-q4x32,bge-m3 --modes host,latency --backends flashinfer \
+        --time-budget-s 25
+    boxed 60 profile-bge python3 benchmarks/serving_profile.py --out "$out/profile-bge" \
+        --model bge-m3 --workloads "queries 8,queries 1" --encodes 40 --rows 80
+    ;;
 *)
-    echo "part must be 1, 2, 3, 4, 5 or 6, got $part" >&2
+    echo "part must be 1 to 7, got $part" >&2
     exit 2
     ;;
 esac
