@@ -15,7 +15,7 @@
 #     scripts/gpu/serving_round.sh 6 "$OUT"   # the same A/B again; BGE-M3 and Qwen3 with the
 #                                             # host time per layer; API-raw
 #     scripts/gpu/serving_round.sh 7 "$OUT"   # the hot path's GPU tests; BGE-M3's issue rows
-#                                             # (queries, documents, bulk; packed and graph
+#                                             # (1 and 8 queries, documents, bulk; packed, graph
 #                                             # runner) with the bound path's host time; API-raw;
 #                                             # cProfile of BGE-M3's queries, both paths
 set -u
@@ -94,11 +94,11 @@ print(",".join(str(r.randint(16, 512)) for _ in range(64)))')
         --time-budget-s 40
     ;;
 7)
-    boxed 200 gpu-hot-path python3 -m pytest -q -p no:cacheprovider -rfE \
+    boxed 180 gpu-hot-path python3 -m pytest -q -p no:cacheprovider -rfE \
         tests/gpu/test_hot_path_gpu.py tests/gpu/test_graph_runner_gpu.py
-    boxed 280 serving-bge python3 benchmarks/serving_bench.py --out "$out/serving-bge" \
-        --models bge-m3 --workloads "queries 1,queries 8,queries 32,documents,bulk" \
-        --paths st-padded-sdpa,st-packed,st-packed-graphs --repeats 10 --host-time
+    boxed 220 serving-bge python3 benchmarks/serving_bench.py --out "$out/serving-bge" \
+        --models bge-m3 --workloads "queries 1,queries 8,documents,bulk" \
+        --paths st-padded-sdpa,st-packed,st-packed-graphs --repeats 5 --host-time
     boxed 40 bench-api-raw python3 benchmarks/bench.py --out "$out/bench" \
         --workloads bge-m3-q4x32,bge-m3 --modes host,latency --backends flashinfer \
         --time-budget-s 25
