@@ -87,3 +87,28 @@ def test_off_cuda_there_is_nothing_to_build():
     spec = ab.AttentionSpec(4, 4, 64, torch.bfloat16, causal=False)
     assert FlashinferBackend.kernel_modules(spec, torch.device("cpu")) == ()
     assert abp.PrefillBackend.kernel_modules(spec, torch.device("cpu")) == ()
+
+
+def test_a_devices_capability_is_asked_of_the_driver_once_per_index(monkeypatch):
+    """`device_sm` runs for every batch's plan: the capability is read once per device index
+    (the current device's for a device without one) and is None off CUDA."""
+    from attn_backends_builtin import _flashinfer_common as common
+
+    asked: list[int] = []
+
+    def capability(index: int) -> tuple[int, int]:
+        asked.append(index)
+        return {0: (9, 0), 1: (8, 0)}[index]
+
+    monkeypatch.setattr(torch.cuda, "get_device_capability", capability)
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 1)
+    common._index_sm.cache_clear()
+    try:
+        assert common.device_sm(torch.device("cuda", 0)) == 90
+        assert common.device_sm(torch.device("cuda")) == 80, "the current device's"
+        assert common.device_sm(torch.device("cuda", 0)) == 90
+        assert common.device_sm(torch.device("cuda", 1)) == 80
+        assert common.device_sm(torch.device("cpu")) is None
+        assert asked == [0, 1], "each index asked once"
+    finally:
+        common._index_sm.cache_clear()  # no fake capability outlives the test

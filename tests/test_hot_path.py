@@ -197,3 +197,33 @@ def test_a_class_is_resolved_again_for_another_dtype_and_a_padded_batch_is_prove
     hf_support.run(model, abt.DEFAULT_NAME, input_ids=ids, attention_mask=padded)
     hf_support.run(model, abt.DEFAULT_NAME, input_ids=ids, attention_mask=padded)
     assert counts["proof"] == proofs + 2, "a padded batch's rows are proved per batch"
+
+
+def test_a_packed_lane_keeps_its_row_views_and_later_layers_compute_their_own_attention(
+    monkeypatch,
+):
+    """A packed batch's q, k and v are strided views of token rows: the lane keeps those views'
+    arguments (fixed by the geometry its key holds), so only the layer that resolves the lane
+    reads the tensors' strides; every layer still attends its own tensors, each sequence
+    exactly as it does alone on transformers' sdpa."""
+    model = _bert(dropout=0.0)
+    reference = hf_support.from_config(model.config, "sdpa")
+    reference.load_state_dict(model.state_dict())
+    sequences = [[5, 6, 7, 8], [9, 10], [11, 12, 13, 14, 15]]
+    cut: list[None] = []
+    real = abt._kernel_input
+
+    def spy(*args: Any) -> Any:
+        cut.append(None)
+        return real(*args)
+
+    monkeypatch.setattr(abt, "_kernel_input", spy)
+    packed = dict(abt.pack_sequences(sequences))
+    got = hf_support.run(model, abt.DEFAULT_NAME, **packed)
+    assert len(cut) == 1, "the two later layers viewed their rows from the lane's arguments"
+    boundaries = packed["cu_seq_lens_q"]
+    assert isinstance(boundaries, torch.Tensor)
+    parts = abt.unpack_hidden(got, boundaries)
+    for sequence, part in zip(sequences, parts, strict=True):
+        want = hf_support.run(reference, "sdpa", input_ids=torch.tensor([sequence]))[0]
+        assert hf_support.relative_error(part, want) < 1e-5

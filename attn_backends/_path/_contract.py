@@ -632,7 +632,11 @@ class BoundForward:
     ) -> torch.Tensor:
         path, plan, geo = self._path, self._plan, self._geo
         aligned = self._aligned
-        if aligned is not None and aligned != tuple(alignment(t.data_ptr()) for t in qkv):
+        if aligned is not None and aligned != (
+            alignment(qkv[0].data_ptr()),
+            alignment(qkv[1].data_ptr()),
+            alignment(qkv[2].data_ptr()),
+        ):
             out = path.run(qkv, plan, None, sinks)
             return out.view(geo.output_shape)
         if sinks is not None or self._sinks:

@@ -436,16 +436,30 @@ def _plan_for(layout: BatchLayout, selection: Selection, spec: AttentionSpec) ->
     return _layout.prepared_plan(layout.plans, _plans_lock, selection.backend, spec, layout.params)
 
 
+RowsView = tuple[tuple[int, int, int], tuple[int, int, int], int]
+"""Size, strides and storage offset that view a ``[B, H, S, D]`` tensor's tokens as rows
+``[B * S, H, D]`` (``as_strided``'s arguments)."""
+
+
+def _rows_view(x: torch.Tensor) -> RowsView | None:
+    """How ``x [B, H, S, D]``'s tokens are one strided view of rows with each token's heads
+    dense (what the kernels read); None where the memory allows no such view."""
+    batch, heads, seq, dim = x.shape
+    s_batch, s_head, s_seq, s_dim = x.stride()
+    if s_dim == 1 and (heads == 1 or s_head == dim) and (batch == 1 or s_batch == seq * s_seq):
+        return (batch * seq, heads, dim), (s_seq, s_head, 1), int(x.storage_offset())
+    return None
+
+
 def _token_rows(x: torch.Tensor, layout: BatchLayout) -> torch.Tensor:
     """``x [B, H, S, D]`` as ``[tokens, H, D]``: a view when the memory allows, else a copy."""
     if layout.cells is not None:
         rows, cols = layout.cells
         return x.transpose(1, 2)[rows, cols]
-    batch, heads, seq, dim = x.shape
-    s_batch, s_head, s_seq, s_dim = x.stride()
-    if s_dim == 1 and (heads == 1 or s_head == dim) and (batch == 1 or s_batch == seq * s_seq):
-        # the rows are one strided view, with each token's heads dense: what the kernels read
-        return x.as_strided((batch * seq, heads, dim), (s_seq, s_head, 1), x.storage_offset())
+    view = _rows_view(x)
+    if view is not None:
+        return x.as_strided(*view)
+    heads, dim = x.shape[1], x.shape[3]
     return _layout.dense_heads(x.transpose(1, 2).reshape(-1, heads, dim))
 
 
@@ -468,6 +482,10 @@ class _Lane:
     bound: BoundForward | None = None
     """The backend's ``forward`` bound to the call's input signature, which the lane key
     holds (`PrefillBackend.bind_forward`); None: ``forward`` runs every call."""
+    rows: tuple[RowsView, RowsView, RowsView] | None = None
+    """For a packed batch whose q, k and v are each one strided view of token rows: those
+    views' arguments, fixed by the geometry the lane key holds, so a later call views its
+    tensors without reading their strides again; None: `_kernel_input` per call."""
 
 
 Geometry = tuple[object, ...]
@@ -688,7 +706,11 @@ def attention_forward(
                 newest=_hf_mask.newest_serial(),
                 expected=request.attention_layers,
             )
-        qkv = _kernel_input(query, key, value, lane.layout)
+        rows = lane.rows
+        if rows is not None:
+            qkv = (query.as_strided(*rows[0]), key.as_strided(*rows[1]), value.as_strided(*rows[2]))
+        else:
+            qkv = _kernel_input(query, key, value, lane.layout)
     else:
         lane = _resolve(
             module,
@@ -706,7 +728,8 @@ def attention_forward(
         )
         qkv = _kernel_input(query, key, value, lane.layout)
         if call is not None and request is not None:
-            lane = _bound(lane, qkv)  # the input's checks run here once, for the whole lane
+            # the input's checks run here once, for the whole lane
+            lane = _kept(lane, qkv, (query, key, value))
             request.lanes[call] = lane
     spec, layout = lane.spec, lane.layout
     sinks = _hf_features.sinks_from_hf(module, kwargs, spec.num_heads)
@@ -734,16 +757,26 @@ def _kernel_input(
     return _token_rows(query, layout), _token_rows(key, layout), _token_rows(value, layout)
 
 
-def _bound(lane: _Lane, qkv: tuple[torch.Tensor, torch.Tensor, torch.Tensor]) -> _Lane:
-    """``lane`` with its backend's ``forward`` bound to this input's signature, where the
-    backend offers that (`PrefillBackend.bind_forward`)."""
-    backend = lane.backend
-    if not isinstance(backend, PrefillBackend) or not isinstance(lane.plan, PrefillPlan):
+def _kept(
+    lane: _Lane,
+    qkv: tuple[torch.Tensor, torch.Tensor, torch.Tensor],
+    given: tuple[torch.Tensor, torch.Tensor, torch.Tensor],
+) -> _Lane:
+    """``lane`` as later calls of its key reuse it: its backend's ``forward`` bound to this
+    input's signature where the backend offers that (`PrefillBackend.bind_forward`), and the
+    row views of a packed batch's ``given`` q, k, v where each is one (`_rows_view`)."""
+    backend, plan, layout = lane.backend, lane.plan, lane.layout
+    bound = None
+    if isinstance(backend, PrefillBackend) and isinstance(plan, PrefillPlan):
+        bound = backend.bind_forward(qkv, plan)
+    rows = None
+    if layout.cells is None and layout.segments:
+        q, k, v = (_rows_view(t) for t in given)
+        if q is not None and k is not None and v is not None:
+            rows = (q, k, v)
+    if bound is None and rows is None:
         return lane
-    bound = backend.bind_forward(qkv, lane.plan)
-    if bound is None:
-        return lane
-    return _Lane(lane.sources, lane.spec, lane.layout, backend, lane.plan, lane.served, bound)
+    return _Lane(lane.sources, lane.spec, layout, backend, plan, lane.served, bound, rows)
 
 
 def _viewed(out: torch.Tensor, shape: tuple[int, ...]) -> torch.Tensor:

@@ -8,6 +8,7 @@ any machine.
 
 from __future__ import annotations
 
+import functools
 import threading
 from dataclasses import dataclass
 from typing import Literal
@@ -73,10 +74,19 @@ def choose_kernel(spec: AttentionSpec, sm: int | None, fused_rope: bool) -> Kern
 
 
 def device_sm(device: torch.device) -> int | None:
-    """Compute capability of a CUDA device as ``major * 10 + minor``; None off CUDA."""
+    """Compute capability of a CUDA device as ``major * 10 + minor``; None off CUDA. Asked
+    of the driver once per device index (`_index_sm`): a batch's plan reads it, and the query
+    costs tens of µs on every new batch."""
     if device.type != "cuda":
         return None
-    major, minor = torch.cuda.get_device_capability(device)
+    index = device.index
+    return _index_sm(torch.cuda.current_device() if index is None else index)
+
+
+@functools.lru_cache(maxsize=64)
+def _index_sm(index: int) -> int:
+    """A device's compute capability never changes while the process runs."""
+    major, minor = torch.cuda.get_device_capability(index)
     return major * 10 + minor
 
 
