@@ -18,9 +18,11 @@
 #                                             # (1 and 8 queries, documents, bulk; packed, graph
 #                                             # runner) with the bound path's host time; API-raw;
 #                                             # cProfile of BGE-M3's queries, both paths
+#     scripts/gpu/serving_round.sh 8 "$OUT"   # BGE-M3's host time per attention call: this
+#                                             # tree, the one in .old/, this tree again
 set -u
-part=${1:?usage: scripts/gpu/serving_round.sh 1|2|3|4|5|6|7 OUT}
-out=${2:?usage: scripts/gpu/serving_round.sh 1|2|3|4|5|6|7 OUT}
+part=${1:?usage: scripts/gpu/serving_round.sh 1|2|3|4|5|6|7|8 OUT}
+out=${2:?usage: scripts/gpu/serving_round.sh 1|2|3|4|5|6|7|8 OUT}
 mkdir -p "$out"
 . scripts/gpu/setup.sh || exit 1
 . scripts/gpu/boxed.sh  # step, boxed
@@ -105,8 +107,22 @@ print(",".join(str(r.randint(16, 512)) for _ in range(64)))')
     boxed 60 profile-bge python3 benchmarks/serving_profile.py --out "$out/profile-bge" \
         --model bge-m3 --workloads "queries 8,queries 1" --encodes 40 --rows 80
     ;;
+8)
+    # this tree against .old/ (git archive REV attn_backends plugins | tar -x -C .old) in one
+    # call: BGE-M3's host time per attention call, new, old, new again (drift bracketed)
+    local_args=(--models bge-m3 --workloads "queries 1,queries 8,documents"
+        --paths st-padded-sdpa,st-packed --repeats 5 --host-time)
+    boxed 240 serving-new-1 python3 benchmarks/serving_bench.py --out "$out/serving-new-1" \
+        "${local_args[@]}"
+    if [ -d .old/attn_backends ]; then
+        boxed 100 serving-old env PYTHONPATH="$PWD/.old:$PWD/.old/plugins:$PYTHONPATH" \
+            python3 benchmarks/serving_bench.py --out "$out/serving-old" "${local_args[@]}"
+    fi
+    boxed 100 serving-new-2 python3 benchmarks/serving_bench.py --out "$out/serving-new-2" \
+        "${local_args[@]}"
+    ;;
 *)
-    echo "part must be 1 to 7, got $part" >&2
+    echo "part must be 1 to 8, got $part" >&2
     exit 2
     ;;
 esac
