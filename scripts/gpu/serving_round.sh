@@ -112,13 +112,13 @@ print(",".join(str(r.randint(16, 512)) for _ in range(64)))')
     # call: BGE-M3's host time per attention call, new, old, new again (drift bracketed)
     local_args=(--models bge-m3 --workloads "queries 1,queries 8,documents"
         --paths st-padded-sdpa,st-packed --repeats 5 --host-time)
-    boxed 240 serving-new-1 python3 benchmarks/serving_bench.py --out "$out/serving-new-1" \
+    boxed 200 serving-new-1 python3 benchmarks/serving_bench.py --out "$out/serving-new-1" \
         "${local_args[@]}"
     if [ -d .old/attn_backends ]; then
-        boxed 100 serving-old env PYTHONPATH="$PWD/.old:$PWD/.old/plugins:$PYTHONPATH" \
+        boxed 70 serving-old env PYTHONPATH="$PWD/.old:$PWD/.old/plugins:$PYTHONPATH" \
             python3 benchmarks/serving_bench.py --out "$out/serving-old" "${local_args[@]}"
     fi
-    boxed 100 serving-new-2 python3 benchmarks/serving_bench.py --out "$out/serving-new-2" \
+    boxed 70 serving-new-2 python3 benchmarks/serving_bench.py --out "$out/serving-new-2" \
         "${local_args[@]}"
     ;;
 *)
