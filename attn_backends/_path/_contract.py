@@ -451,7 +451,7 @@ class ForwardPath:
         if given is None:
             return None
         tensors = cast(tuple[torch.Tensor, torch.Tensor, torch.Tensor], qkv)
-        aligned = tuple(alignment(t.data_ptr()) for t in tensors) if self._reads_addresses else None
+        aligned = _alignments(tensors) if self._reads_addresses else None
         return BoundForward(self, plan, geo, aligned)
 
     # The input, checked once per signature ------------------------------------------------
@@ -594,6 +594,12 @@ class ForwardPath:
         return modified_note(self._spec, _written_rows(plan, geo))
 
 
+def _alignments(qkv: tuple[torch.Tensor, torch.Tensor, torch.Tensor]) -> tuple[int, int, int]:
+    """The `alignment` of q's, k's and v's addresses: what a bound forward compares per call."""
+    q, k, v = qkv
+    return alignment(q.data_ptr()), alignment(k.data_ptr()), alignment(v.data_ptr())
+
+
 class BoundForward:
     """`ForwardPath.run` for separate ``(q, k, v)`` input of one signature, checked once
     (`ForwardPath.bind`): each call runs the cut, the kernel and the output check, and none of
@@ -632,11 +638,7 @@ class BoundForward:
     ) -> torch.Tensor:
         path, plan, geo = self._path, self._plan, self._geo
         aligned = self._aligned
-        if aligned is not None and aligned != (
-            alignment(qkv[0].data_ptr()),
-            alignment(qkv[1].data_ptr()),
-            alignment(qkv[2].data_ptr()),
-        ):
+        if aligned is not None and aligned != _alignments(qkv):
             out = path.run(qkv, plan, None, sinks)
             return out.view(geo.output_shape)
         if sinks is not None or self._sinks:

@@ -34,10 +34,10 @@ __all__ = [
 ]
 
 _PROOFS = "_attn_backends_mask_proofs"
+"""The attention module's set of `MaskProof` values: checks passed once per class."""
 CLASSES = "_attn_backends_call_classes"
 """The attention module's resolved classes of call (the eager integration's ``_CallClass``):
 a spec, a selection and whether whole rows are proved for the mask, by class key."""
-"""The attention module's set of `MaskProof` values: checks passed once per class."""
 
 LayoutKind = Literal["rows", "packed"]
 

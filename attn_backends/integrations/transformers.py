@@ -634,32 +634,25 @@ def _resolve(
             backend,
             epoch=request.epoch if request is not None else None,
         )
-        layout, served = _batch_layout(
-            module, attention_mask, request, batch, seq, query.device, spec, kwargs
-        )
-        if klass is not None:
-            proved = _whole_rows(layout) and not _reads_data(request)
-            _hf_call.keep(module, _hf_proof.CLASSES, klass, _CallClass(spec, selection, proved))
     else:
         spec, selection = known.spec, known.selection
-        layout, served = _batch_layout(
-            module,
-            attention_mask,
-            request,
-            batch,
-            seq,
-            query.device,
-            spec,
-            kwargs,
-            rows_proved=known.rows_proved,
-        )
-        if (
-            not known.rows_proved
-            and klass is not None
-            and _whole_rows(layout)
-            and not _reads_data(request)
-        ):
-            _hf_call.keep(module, _hf_proof.CLASSES, klass, _CallClass(spec, selection, True))
+    rows_proved = known is not None and known.rows_proved
+    layout, served = _batch_layout(
+        module,
+        attention_mask,
+        request,
+        batch,
+        seq,
+        query.device,
+        spec,
+        kwargs,
+        rows_proved=rows_proved,
+    )
+    if klass is not None:
+        # a new class is kept; a kept one again once its whole rows are proved
+        proved = _whole_rows(layout) and not _reads_data(request)
+        if known is None or (proved and not rows_proved):
+            _hf_call.keep(module, _hf_proof.CLASSES, klass, _CallClass(spec, selection, proved))
     plan = _plan_for(layout, selection, spec)
     sources = (
         kwargs.get("cu_seq_lens_q"),

@@ -291,22 +291,12 @@ class TorchSdpaBackend(PrefillBackend):
             mask = kernel.masks.get(run.length)
             rows = slice(run.start, run.start + run.sequences * run.length)
             n, length = run.sequences, run.length
-            qs = q[rows].view(n, length, *q.shape[1:]).transpose(1, 2)
-            ks = k[rows].view(n, length, *k.shape[1:]).transpose(1, 2)
-            vs = v[rows].view(n, length, *v.shape[1:]).transpose(1, 2)
-            if views.sinks is not None:
-                assert mask is not None  # built for every length of a spec with sinks
-                result = _attend_with_sinks(spec, qs, ks, vs, mask, views.sinks)
-            else:
-                result = F.scaled_dot_product_attention(
-                    qs,
-                    ks,
-                    vs,
-                    attn_mask=mask,
-                    is_causal=spec.causal and mask is None,
-                    scale=spec.scale,
-                    enable_gqa=spec.is_gqa,
-                )
+            run_views = (
+                _run_view(q[rows], n, length),
+                _run_view(k[rows], n, length),
+                _run_view(v[rows], n, length),
+            )
+            result = _sdpa(spec, mask, run_views, views.sinks)
             out[rows].view(n, length, *out.shape[1:]).copy_(result.transpose(1, 2))
         return out
 
@@ -335,27 +325,37 @@ def _attend_batch(
     """Batch-major input (``[n, H, L, D]`` each, one run): SDPA on the tensors as given, the
     layout it takes; its output as rows, a view for one sequence (the caller copies if it
     must), else one copy."""
-    q, k, v = batch
-    if sinks is not None:
-        assert mask is not None  # built for every length of a spec with sinks
-        result = _attend_with_sinks(spec, q, k, v, mask, sinks)
-    else:
-        result = F.scaled_dot_product_attention(
-            q,
-            k,
-            v,
-            attn_mask=mask,
-            is_causal=spec.causal and mask is None,
-            scale=spec.scale,
-            enable_gqa=spec.is_gqa,
-        )
+    result = _sdpa(spec, mask, batch, sinks)
     if result.dtype != spec.output_dtype:
         result = result.to(spec.output_dtype)
-    _, heads, length, dim = result.shape
-    if q.shape[0] == 1:  # one sequence: its rows are a view, and the caller copies if it must
+    count, heads, length, dim = result.shape
+    if count == 1:  # one sequence: its rows are a view, and the caller copies if it must
         _, s_head, s_token, s_dim = result.stride()
         return result.as_strided((length, heads, dim), (s_token, s_head, s_dim))
     return result.transpose(1, 2).reshape(-1, heads, dim)
+
+
+def _sdpa(
+    spec: AttentionSpec,
+    mask: torch.Tensor | None,
+    batch: tuple[torch.Tensor, torch.Tensor, torch.Tensor],
+    sinks: torch.Tensor | None,
+) -> torch.Tensor:
+    """One run's attention on batch-major ``[n, H, L, D]`` tensors, ``[n, Hq, L, D]`` out:
+    SDPA with the run's mask (or the causal flag where it has none), or the sinks' form."""
+    q, k, v = batch
+    if sinks is not None:
+        assert mask is not None  # built for every length of a spec with sinks
+        return _attend_with_sinks(spec, q, k, v, mask, sinks)
+    return F.scaled_dot_product_attention(
+        q,
+        k,
+        v,
+        attn_mask=mask,
+        is_causal=spec.causal and mask is None,
+        scale=spec.scale,
+        enable_gqa=spec.is_gqa,
+    )
 
 
 def _run_view(x: torch.Tensor, count: int, length: int) -> torch.Tensor:
