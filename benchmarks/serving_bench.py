@@ -424,7 +424,9 @@ def host_per_layer(paths: Paths, batch: list[str], encodes: int = 10) -> dict[st
     (`_hf_proof.mask_proof` and `proved`), as calls per forward and shares of the encodes'
     wall time (synchronised at the end of each).
 
-    And the same host time beyond the kernel for two kinds of attention call apart: a call
+    And the kernel call's own wall time per layer (``kernel_call``: the backend's ``attend``;
+    on a GPU the host time that queues the kernel). And the same host time beyond the kernel
+    for two kinds of attention call apart: a call
     that resolves its lane (`transformers._resolve`: the layout, the proof, the plan; once per
     forward and class of call) and a call that reuses the lane an earlier layer of its forward
     resolved. A deep model makes the second kind at every layer but the first of each class,
@@ -498,6 +500,9 @@ def host_per_layer(paths: Paths, batch: list[str], encodes: int = 10) -> dict[st
         "backend_path": (sum(forward) - sum(kernel)) * us,
     }
     parts["total"] = sum(parts.values())
+    # the kernel call's own wall time: all of the kernel on the CPU; on a GPU the host time
+    # that queues it (the backend's launch code, flashinfer's run or its direct call)
+    parts["kernel_call"] = sum(kernel) * us
     parts["calls"] = float(calls)
     parts["mask_checks_per_forward"] = len(check) / max(1, len(forwards))
     parts["mask_check_share"] = sum(check) / encode_s if encode_s else 0.0
@@ -839,8 +844,9 @@ def _markdown(report: list[dict[str, Any]], device: torch.device) -> str:
             "| model | workload | mask hook per layer | attention hook around the backend "
             "| backend path around the kernel | total beyond the kernel "
             "| mask checks per forward | mask check share | proof check share "
-            "| a call that resolves its lane | a call that reuses it |",
-            "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
+            "| a call that resolves its lane | a call that reuses it "
+            "| the kernel call itself (host) |",
+            "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
         ]
         for r in hosts:
             h = r["extra"]["host_us_per_layer"]
@@ -856,9 +862,10 @@ def _markdown(report: list[dict[str, Any]], device: torch.device) -> str:
                 if "reusing_call" in h
                 else " | "  # a report written before these columns
             )
+            kernel = f"{h['kernel_call']:.1f}" if "kernel_call" in h else ""
             lines.append(
                 f"| {r['model']} | {r['workload']} | {h['mask_hook']:.1f} | {h['hook']:.1f} | "
-                f"{h['backend_path']:.1f} | {h['total']:.1f} | {shares} | {split} |"
+                f"{h['backend_path']:.1f} | {h['total']:.1f} | {shares} | {split} | {kernel} |"
             )
     return "\n".join(lines) + "\n"
 

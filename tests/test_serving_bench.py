@@ -93,6 +93,7 @@ def test_cpu_tiny_mode_reports_the_ratio_and_the_host_time_beyond_the_kernel(tmp
     parts = ("mask_hook", "hook", "backend_path")
     assert all(host[k] >= 0 for k in parts), host
     assert host["total"] == pytest.approx(sum(host[k] for k in parts))
+    assert host["kernel_call"] > 0, "the kernel's own time is reported apart"
     # the tiny BGE-M3's two layers make one class of call: the first resolves its lane, the
     # second reuses it, in every forward
     assert host["resolving_calls"] + host["reusing_calls"] == host["calls"], host

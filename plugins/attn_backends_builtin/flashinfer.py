@@ -84,6 +84,7 @@ from ._flashinfer_common import (
     nonempty_lengths,
     stream_key,
 )
+from ._flashinfer_direct import RowsRun, plan_run
 from ._flashinfer_jit import kernel_module
 from ._flashinfer_rope import FLASHINFER_ROPE
 
@@ -193,6 +194,9 @@ class RaggedPlan:
     """Host int32 offsets of the non-empty sequences, as given to ``plan``."""
     stream: StreamKey
     """The device and stream the plan was made on; its float workspace is that stream's."""
+    run: RowsRun
+    """How each layer runs the kernel: ``wrapper.run``, or ``ragged_run`` with the argument
+    list this plan fixed (`_flashinfer_direct`)."""
 
 
 class GraphRagged:
@@ -357,8 +361,10 @@ class FlashinferBackend(PrefillBackend):
     def plan_kernel(
         self, spec: AttentionSpec, params: FMHAParams, *, fused_rope: bool
     ) -> RaggedPlan:
-        choice = self._kernel_for(device_sm(params.device), fused_rope)
-        announce_first_use(jit_module(spec, choice, fused_rope))
+        sm = device_sm(params.device)
+        choice = self._kernel_for(sm, fused_rope)
+        module = jit_module(spec, choice, fused_rope)
+        announce_first_use(module)
         stream = stream_key(params.device)
         key: PoolKey = (stream[0], stream[1], choice.backend)
         wrapper = POOL.lease(key, WORKSPACES.get(stream))
@@ -368,7 +374,11 @@ class FlashinferBackend(PrefillBackend):
         except BaseException:
             POOL.give_back(key, wrapper, CompletionMarker(params.device))
             raise
-        plan = RaggedPlan(wrapper, choice, mode, indptr, stream)
+        # sm90 and later: flashinfer's run launches with PDL there (device_support_pdl)
+        run = plan_run(
+            wrapper, module, spec.num_heads, spec.head_dim, pdl=sm is not None and sm >= 90
+        )
+        plan = RaggedPlan(wrapper, choice, mode, indptr, stream, run)
         weakref.finalize(plan, POOL.give_back, key, wrapper, CompletionMarker(params.device))
         return plan
 
@@ -403,7 +413,9 @@ class FlashinferBackend(PrefillBackend):
 
     def attend(self, views: QKVViews, plan: AnyPlan) -> torch.Tensor:
         kernel = plan.kernel
-        if type(kernel) is not RaggedPlan and type(kernel) is not GraphRagged:
+        if type(kernel) is RaggedPlan:
+            return kernel.run(views.q, views.k, views.v)
+        if type(kernel) is not GraphRagged:
             raise BackendFailure(f"{self.name} got a plan it did not make: {kernel!r}")
         out: torch.Tensor = kernel.wrapper.run(views.q, views.k, views.v)
         return out

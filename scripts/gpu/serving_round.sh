@@ -20,9 +20,12 @@
 #                                             # cProfile of BGE-M3's queries, both paths
 #     scripts/gpu/serving_round.sh 8 "$OUT"   # BGE-M3's host time per attention call: this
 #                                             # tree, the one in .old/, this tree again
+#     scripts/gpu/serving_round.sh 9 "$OUT"   # flashinfer's direct kernel call: its GPU tests
+#                                             # and the hot path's; part 8's A/B; torch-varlen
+#                                             # on the queries; API-raw
 set -u
-part=${1:?usage: scripts/gpu/serving_round.sh 1|2|3|4|5|6|7|8 OUT}
-out=${2:?usage: scripts/gpu/serving_round.sh 1|2|3|4|5|6|7|8 OUT}
+part=${1:?usage: scripts/gpu/serving_round.sh 1|2|3|4|5|6|7|8|9 OUT}
+out=${2:?usage: scripts/gpu/serving_round.sh 1|2|3|4|5|6|7|8|9 OUT}
 mkdir -p "$out"
 . scripts/gpu/setup.sh || exit 1
 . scripts/gpu/boxed.sh  # step, boxed
@@ -121,8 +124,32 @@ print(",".join(str(r.randint(16, 512)) for _ in range(64)))')
     boxed 70 serving-new-2 python3 benchmarks/serving_bench.py --out "$out/serving-new-2" \
         "${local_args[@]}"
     ;;
+9)
+    nv=tests/gpu/test_nvidia_gpu.py
+    boxed 180 gpu-direct python3 -m pytest -q -p no:cacheprovider -rfE \
+        "$nv::test_flashinfer_calls_its_kernel_directly_once_proved" \
+        "$nv::test_forward_does_not_sync_the_host[flashinfer]" \
+        "$nv::test_forward_allocates_only_the_output[flashinfer]" \
+        tests/gpu/test_hot_path_gpu.py
+    part_args=(--models bge-m3 --workloads "queries 1,queries 8,documents"
+        --paths st-padded-sdpa,st-packed --repeats 5 --host-time)
+    boxed 100 serving-new-1 python3 benchmarks/serving_bench.py --out "$out/serving-new-1" \
+        "${part_args[@]}"
+    if [ -d .old/attn_backends ]; then
+        boxed 60 serving-old env PYTHONPATH="$PWD/.old:$PWD/.old/plugins:$PYTHONPATH" \
+            python3 benchmarks/serving_bench.py --out "$out/serving-old" "${part_args[@]}"
+    fi
+    boxed 60 serving-new-2 python3 benchmarks/serving_bench.py --out "$out/serving-new-2" \
+        "${part_args[@]}"
+    boxed 60 serving-varlen env ATTN_BACKEND=torch-varlen python3 benchmarks/serving_bench.py \
+        --out "$out/serving-varlen" --models bge-m3 --workloads "queries 1,queries 8" \
+        --paths st-padded-sdpa,st-packed --repeats 5 --host-time
+    boxed 40 bench-api-raw python3 benchmarks/bench.py --out "$out/bench" \
+        --workloads bge-m3-q4x32,bge-m3 --modes host,latency --backends flashinfer \
+        --time-budget-s 25
+    ;;
 *)
-    echo "part must be 1 to 8, got $part" >&2
+    echo "part must be 1 to 9, got $part" >&2
     exit 2
     ;;
 esac

@@ -24,6 +24,7 @@ recorded with its arguments by parameter name.
 
 from __future__ import annotations
 
+import enum
 import inspect
 import itertools
 import math
@@ -334,6 +335,8 @@ class _FakeRaggedWrapper:
             self._graph_bufs = (qo_buf, kv_buf)
         self._backend: str = a["backend"]
         self._plan: dict[str, Any] | None = None
+        self._float_workspace_buffer = workspace
+        self.device = workspace.device
 
     def plan(self, *args: Any, **kwargs: Any) -> None:
         a = _bind("BatchPrefillWithRaggedKVCacheWrapper.plan", (self, *args), kwargs)
@@ -375,6 +378,8 @@ class _FakeRaggedWrapper:
         if self._graph_bufs is not None:
             # A captured run reads the offsets from the fixed buffer, whatever the host list says.
             self._plan["graph_indptr"] = self._graph_bufs[0]
+        if self._fake.internals:
+            self._keep_internals()
 
     def run(self, *args: Any, **kwargs: Any) -> torch.Tensor:
         a = _bind("BatchPrefillWithRaggedKVCacheWrapper.run", (self, *args), kwargs)
@@ -410,15 +415,35 @@ class _FakeRaggedWrapper:
             raise ValueError(f"Invalid out: expected {shape} {plan['o_dtype']} on {q.device}")
         elif not out.is_contiguous():
             raise RuntimeError("out must be dense: the kernel writes it with strides from shape")
-        out.fill_(float("nan"))
-        rope = None
-        if plan["pos_encoding_mode"] == "ROPE_LLAMA" and self._backend == "fa2":  # fa3: ignored
-            scale = plan["rope_scale"] if plan["rope_scale"] is not None else 1.0
-            theta = plan["rope_theta"] if plan["rope_theta"] is not None else 1e4
-            rope = (theta, scale)
         sm_scale = plan["sm_scale"]
         if sm_scale is None:
             sm_scale = 1.0 / math.sqrt(q.size(-1))
+        soft_cap = plan["logits_soft_cap"] or 0.0
+        self._attend(q, k, v, out, plan["causal"], plan["window_left"], soft_cap, sm_scale)
+        return out
+
+    def _attend(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        out: torch.Tensor,
+        causal: bool,
+        window_left: int,
+        soft_cap: float,
+        sm_scale: float,
+        rope_scale: float | None = None,
+        rope_theta: float | None = None,
+    ) -> None:
+        """The kernel on the planned batch, what ``run`` and ``ragged_run`` both end in."""
+        plan = self._plan
+        assert plan is not None
+        out.fill_(float("nan"))
+        rope = None
+        if plan["pos_encoding_mode"] == "ROPE_LLAMA" and self._backend == "fa2":  # fa3: ignored
+            scale = rope_scale if rope_scale is not None else plan["rope_scale"]
+            theta = rope_theta if rope_theta is not None else plan["rope_theta"]
+            rope = (theta if theta is not None else 1e4, scale if scale is not None else 1.0)
         cu = plan["cu"]
         if "graph_indptr" in plan:
             cu = [int(x) for x in plan["graph_indptr"].tolist()]
@@ -428,14 +453,101 @@ class _FakeRaggedWrapper:
             v,
             cu,
             sm_scale,
-            plan["causal"],
+            causal,
             out,
             rope,
-            window_left=plan["window_left"],
-            soft_cap=plan["logits_soft_cap"] or 0.0,
+            window_left=window_left,
+            soft_cap=soft_cap,
             alibi=plan["pos_encoding_mode"] == "ALIBI" and self._backend == "fa2",  # fa3: ignored
         )
-        return out
+
+    def _keep_internals(self) -> None:
+        """The state flashinfer 0.7.x keeps on a planned wrapper, which its ``run`` reads to
+        build ``ragged_run``'s argument list (prefill.py, ``run``)."""
+        plan = self._plan
+        assert plan is not None
+        self._jit_module = None
+        self._custom_mask_buf = None
+        self._mask_indptr_buf = None
+        self._variant_owns_mask = False
+        self._causal = plan["causal"]
+        self._window_left = plan["window_left"]
+        self._logits_soft_cap = plan["logits_soft_cap"]
+        self._sm_scale = plan["sm_scale"]
+        self._rope_scale = plan["rope_scale"]
+        self._rope_theta = plan["rope_theta"]
+        self._cached_o_data_type = plan["o_dtype"]
+        self._int_workspace_buffer = torch.empty(8, dtype=torch.uint8)
+        self._plan_info = ("plan info", len(plan["cu"]))
+        self._qo_indptr_buf = torch.tensor(plan["cu"], dtype=torch.int32)
+        self._kv_indptr_buf = torch.tensor(plan["cu"], dtype=torch.int32)
+        self._kv_layout = "NHD"
+        self._prefix_len_ptr = None
+        self._token_pos_in_items_ptr = None
+        self._max_item_len_ptr = None
+        self._token_pos_in_items_len = 0
+        self._cached_module = types.SimpleNamespace(ragged_run=self._ragged_run)
+
+    def _ragged_run(self, *args: Any) -> None:
+        """The compiled module's ``ragged_run``: reads its 27 positional arguments where
+        flashinfer 0.7.x's ``run`` puts them, checks each position's kind and computes the
+        same kernel as ``run`` from them; ``ragged_order="swapped"`` reads the softmax scale
+        and the soft cap from each other's places (a release whose list differs)."""
+        self._fake.calls.append(Call("ragged_run", {"args": args}))
+        if len(args) != RAGGED_RUN_ARITY:
+            raise TypeError(f"ragged_run takes {RAGGED_RUN_ARITY} arguments, got {len(args)}")
+        float_ws, int_ws, info, q, k, v, qo, kv, out, lse, mask, layout = args[:12]
+        window_left, pdl, custom, mask_indptr, alibi, *items = args[12:20]
+        soft_cap, sm_scale, rope_scale, rope_theta, items_len, k_sf, v_sf = args[20:]
+        if self._fake.ragged_order == "swapped":
+            soft_cap, sm_scale = sm_scale, soft_cap
+        if float_ws is not self._float_workspace_buffer or int_ws is not self._int_workspace_buffer:
+            raise RuntimeError("ragged_run: the workspaces are not this wrapper's")
+        if (
+            info is not self._plan_info
+            or qo is not self._qo_indptr_buf
+            or kv is not self._kv_indptr_buf
+        ):
+            raise RuntimeError("ragged_run: the plan info or offsets are not this plan's")
+        if lse is not None or custom is not None or mask_indptr is not None or any(items):
+            raise NotImplementedError("the fake serves no LSE, custom mask or item scoring")
+        if k_sf is not None or v_sf is not None or items_len != 0:
+            raise NotImplementedError("the fake serves no NVFP4 factors or item scoring")
+        if mask not in (0, 1) or layout != 0 or type(pdl) is not bool:
+            raise ValueError("ragged_run: mask mode, layout or PDL flag of the wrong kind")
+        if not isinstance(alibi, torch.Tensor) or alibi.shape != (q.shape[1],):
+            raise ValueError("ragged_run: the ALiBi slopes buffer has one slope per query head")
+        if type(window_left) is not int or type(sm_scale) is not float:
+            raise TypeError("ragged_run: window_left is an int and sm_scale a float")
+        _check_loads(self._backend, q, k, v)
+        if not isinstance(out, torch.Tensor) or not out.is_contiguous():
+            raise RuntimeError("out must be dense: the kernel writes it with strides from shape")
+        self._attend(
+            q, k, v, out, mask == 1, window_left, soft_cap, sm_scale, rope_scale, rope_theta
+        )
+
+
+class MaskMode(enum.Enum):
+    """``utils.MaskMode``, the values ``ragged_run`` reads."""
+
+    NON_CAUSAL = 0
+    CAUSAL = 1
+
+
+class TensorLayout(enum.Enum):
+    """``utils.TensorLayout``."""
+
+    NHD = 0
+    HND = 1
+
+
+RAGGED_RUN_ARITY = 27
+"""``ragged_run``'s positional arguments in flashinfer 0.7.x without a JIT variant."""
+
+
+def _alibi_slopes_buffer(heads: int, device: torch.device) -> torch.Tensor:
+    """``utils._get_cache_alibi_slopes_buf``: flashinfer's slopes, one per query head."""
+    return flashinfer_alibi_slopes(heads).to(device)
 
 
 def _trtllm_fmha_v2_prefill(fake: FakeFlashinfer, *args: Any, **kwargs: Any) -> torch.Tensor:
@@ -491,12 +603,18 @@ class FakeFlashinfer:
     """One installed fake library: its modules and every call made to it, in order."""
 
     calls: list[Call] = field(default_factory=list)
+    internals: bool = False
+    """Whether a planned wrapper keeps the private state flashinfer's ``run`` reads and offers
+    the compiled module's ``ragged_run`` (`_FakeRaggedWrapper._keep_internals`)."""
+    ragged_order: str = "read"
+    """``read``: ``ragged_run`` reads its arguments where 0.7.x puts them; ``swapped``: as a
+    release whose list differs would."""
 
     def named(self, name: str) -> list[Call]:
         """The recorded calls of one function (``BatchPrefillWithRaggedKVCacheWrapper.plan``)."""
         return [c for c in self.calls if c.name == name]
 
-    def modules(self) -> tuple[types.ModuleType, types.ModuleType]:
+    def modules(self) -> tuple[types.ModuleType, types.ModuleType, types.ModuleType]:
         wrapper = type(
             "BatchPrefillWithRaggedKVCacheWrapper", (_FakeRaggedWrapper,), {"_fake": self}
         )
@@ -511,19 +629,28 @@ class FakeFlashinfer:
         root.__version__ = FLASHINFER_VERSION  # type: ignore[attr-defined]
         root.BatchPrefillWithRaggedKVCacheWrapper = wrapper  # type: ignore[attr-defined]
         root.prefill = prefill  # type: ignore[attr-defined]
-        return root, prefill
+        utils = types.ModuleType("flashinfer.utils")
+        utils.MaskMode = MaskMode  # type: ignore[attr-defined]
+        utils.TensorLayout = TensorLayout  # type: ignore[attr-defined]
+        utils._get_cache_alibi_slopes_buf = _alibi_slopes_buffer  # type: ignore[attr-defined]
+        root.utils = utils  # type: ignore[attr-defined]
+        return root, prefill, utils
 
 
-def install(monkeypatch: pytest.MonkeyPatch) -> FakeFlashinfer:
+def install(monkeypatch: pytest.MonkeyPatch, *, internals: bool = False) -> FakeFlashinfer:
     """Put a fresh fake at ``sys.modules["flashinfer"]`` for one test; monkeypatch undoes it.
 
     The plugin's wrapper pool is swapped for an empty one too: wrappers leased under another
-    test's fake must not serve this one."""
+    test's fake must not serve this one; so are the direct call's proofs, made against
+    another fake. ``internals``: see `FakeFlashinfer.internals`."""
+    from attn_backends_builtin import _flashinfer_direct
     from attn_backends_builtin import flashinfer as plugin
 
     monkeypatch.setattr(plugin, "POOL", plugin.WrapperPool())
-    fake = FakeFlashinfer()
-    root, prefill = fake.modules()
+    monkeypatch.setattr(_flashinfer_direct, "_verdicts", {})
+    fake = FakeFlashinfer(internals=internals)
+    root, prefill, utils = fake.modules()
     monkeypatch.setitem(sys.modules, "flashinfer", root)
     monkeypatch.setitem(sys.modules, "flashinfer.prefill", prefill)
+    monkeypatch.setitem(sys.modules, "flashinfer.utils", utils)
     return fake

@@ -12,6 +12,7 @@ from __future__ import annotations
 import pytest
 import torch
 from attn_backends_builtin import _flex_kernel, headwise
+from attn_backends_builtin._flashinfer_direct import DirectRun
 from attn_backends_builtin.flashinfer import FlashinferRopeBackend, RaggedPlan
 from attn_backends_builtin.torch_varlen import VarlenCall
 
@@ -109,6 +110,31 @@ def _assert_runs(plan, kernel: str) -> None:
     # flashinfer's wrapper keeps the implementation it runs in ``_backend`` (private; read here
     # only to prove the explicit choice was honoured).
     assert plan.kernel.wrapper._backend == kernel
+
+
+@pytest.mark.parametrize("name", ["flashinfer", "flashinfer-rope"])
+def test_flashinfer_calls_its_kernel_directly_once_proved(name):
+    """The first call of a kernel module ran ``run`` and the direct ``ragged_run`` call and
+    found them equal (`_flashinfer_direct`); a later plan calls ``ragged_run`` with the list it
+    fixed: bit for bit ``run``'s output on a fresh input, within the float64 reference's
+    tolerance, no host sync. Short sequences, so flashinfer-rope fuses its RoPE."""
+    spec, backend, params, _, _ = _ready(name, (200, 77, 1, 40))
+    params, qkv = _batch(spec, (150, 3, 64), seed=1)
+    plan = backend.prepare(params)
+    kernel = plan.kernel
+    assert isinstance(kernel, RaggedPlan) and isinstance(kernel.run, DirectRun), kernel.run
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        out = backend.forward(qkv.clone(), plan)
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    _check(out, qkv, spec, params)
+    rows = qkv[: params.token_q_num]
+    q, k, v = rows.split((spec.q_width, spec.kv_width, spec.kv_width), dim=1)
+    heads = (spec.num_heads, spec.num_kv_heads, spec.num_kv_heads)
+    q, k, v = (t.unflatten(1, (h, spec.head_dim)) for t, h in zip((q, k, v), heads, strict=True))
+    assert torch.equal(out, kernel.wrapper.run(q, k, v))
 
 
 def test_flashinfer_runs_the_kernel_the_record_names():
