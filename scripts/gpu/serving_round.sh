@@ -42,6 +42,21 @@ ab_round() {
     fi
 }
 
+# BGE-M3 padded and packed with the host time per attention call: this tree, the one in .old/,
+# this tree again (drift bracketed), each in its own process; $1 $2 $3: their boxes in seconds
+serving_ab() {
+    local args=(--models bge-m3 --workloads "queries 1,queries 8,documents"
+        --paths st-padded-sdpa,st-packed --repeats 5 --host-time)
+    boxed "$1" serving-new-1 python3 benchmarks/serving_bench.py --out "$out/serving-new-1" \
+        "${args[@]}"
+    if [ -d .old/attn_backends ]; then
+        boxed "$2" serving-old env PYTHONPATH="$PWD/.old:$PWD/.old/plugins:$PYTHONPATH" \
+            python3 benchmarks/serving_bench.py --out "$out/serving-old" "${args[@]}"
+    fi
+    boxed "$3" serving-new-2 python3 benchmarks/serving_bench.py --out "$out/serving-new-2" \
+        "${args[@]}"
+}
+
 step "part $part on $(nvidia-smi --query-gpu=name,driver_version --format=csv,noheader)"
 python3 -c "import torch, transformers, sentence_transformers as s; print(torch.__version__, \
 transformers.__version__, s.__version__)" | tee -a "$out/steps.log"
@@ -113,16 +128,7 @@ print(",".join(str(r.randint(16, 512)) for _ in range(64)))')
 8)
     # this tree against .old/ (git archive REV attn_backends plugins | tar -x -C .old) in one
     # call: BGE-M3's host time per attention call, new, old, new again (drift bracketed)
-    local_args=(--models bge-m3 --workloads "queries 1,queries 8,documents"
-        --paths st-padded-sdpa,st-packed --repeats 5 --host-time)
-    boxed 200 serving-new-1 python3 benchmarks/serving_bench.py --out "$out/serving-new-1" \
-        "${local_args[@]}"
-    if [ -d .old/attn_backends ]; then
-        boxed 70 serving-old env PYTHONPATH="$PWD/.old:$PWD/.old/plugins:$PYTHONPATH" \
-            python3 benchmarks/serving_bench.py --out "$out/serving-old" "${local_args[@]}"
-    fi
-    boxed 70 serving-new-2 python3 benchmarks/serving_bench.py --out "$out/serving-new-2" \
-        "${local_args[@]}"
+    serving_ab 200 70 70
     ;;
 9)
     nv=tests/gpu/test_nvidia_gpu.py
@@ -131,16 +137,7 @@ print(",".join(str(r.randint(16, 512)) for _ in range(64)))')
         "$nv::test_forward_does_not_sync_the_host[flashinfer]" \
         "$nv::test_forward_allocates_only_the_output[flashinfer]" \
         tests/gpu/test_hot_path_gpu.py
-    part_args=(--models bge-m3 --workloads "queries 1,queries 8,documents"
-        --paths st-padded-sdpa,st-packed --repeats 5 --host-time)
-    boxed 100 serving-new-1 python3 benchmarks/serving_bench.py --out "$out/serving-new-1" \
-        "${part_args[@]}"
-    if [ -d .old/attn_backends ]; then
-        boxed 60 serving-old env PYTHONPATH="$PWD/.old:$PWD/.old/plugins:$PYTHONPATH" \
-            python3 benchmarks/serving_bench.py --out "$out/serving-old" "${part_args[@]}"
-    fi
-    boxed 60 serving-new-2 python3 benchmarks/serving_bench.py --out "$out/serving-new-2" \
-        "${part_args[@]}"
+    serving_ab 100 60 60
     boxed 60 serving-varlen env ATTN_BACKEND=torch-varlen python3 benchmarks/serving_bench.py \
         --out "$out/serving-varlen" --models bge-m3 --workloads "queries 1,queries 8" \
         --paths st-padded-sdpa,st-packed --repeats 5 --host-time
