@@ -136,7 +136,7 @@ def test_a_failing_direct_call_keeps_run(fake, monkeypatch, caplog):
     ],
     ids=["unread-release", "api-logging", "trace-dump", "no-private-state"],
 )
-def test_run_stays_where_the_direct_call_is_not_known(monkeypatch, setting):
+def test_run_stays_where_the_direct_call_is_not_known(monkeypatch, caplog, setting):
     fake = install(monkeypatch, internals=setting[0] != "internals")
     if setting[0] == "version":
         monkeypatch.setattr(sys.modules["flashinfer"], "__version__", setting[1])
@@ -144,8 +144,14 @@ def test_run_stays_where_the_direct_call_is_not_known(monkeypatch, setting):
         monkeypatch.setenv(setting[1], setting[2])
     spec = spec_of(torch.bfloat16, causal=True)
     backend = FlashinferBackend.bind(spec, SM90)
-    _layers(backend, spec, LENGTHS, layers=2)
-    assert len(fake.named(RUN)) == 2 and not fake.named(RAGGED)
+    with caplog.at_level(logging.INFO, logger="attn_backends"):
+        _layers(backend, spec, LENGTHS, layers=2)
+        _layers(backend, spec, (4, 12), layers=1)
+    assert len(fake.named(RUN)) == 3 and not fake.named(RAGGED)
+    said = [r.getMessage() for r in caplog.records if "not the direct ragged_run" in r.getMessage()]
+    assert len(said) == 1, "why run stays is said once per process"
+    expected = {"version": "0.7.5", "env": setting[1], "internals": "lacks"}[setting[0]]
+    assert expected in said[0]
 
 
 class TestConformanceWithTheDirectCall(NoCachePrefillConformance):

@@ -124,16 +124,35 @@ def direct_run(wrapper: Any, heads: int, head_dim: int, pdl: bool) -> DirectRun 
     utils = sys.modules.get("flashinfer.utils")
     if flashinfer is None or utils is None:
         return None
-    if getattr(flashinfer, "__version__", None) not in READ_RELEASES:
+    release = getattr(flashinfer, "__version__", None)
+    if release not in READ_RELEASES:
+        _say_once(f"flashinfer {release} is not a release whose run was read for the direct call")
         return None
-    if os.environ.get("FLASHINFER_LOGLEVEL", "0") not in QUIET:
-        return None
-    if os.environ.get("FLASHINFER_TRACE_DUMP", "0") not in QUIET:
-        return None
+    for variable in ("FLASHINFER_LOGLEVEL", "FLASHINFER_TRACE_DUMP"):
+        if os.environ.get(variable, "0") not in QUIET:
+            _say_once(f"{variable} is on, and it records each run call")
+            return None
     try:
         return _built(wrapper, utils, heads, head_dim, pdl)
-    except AttributeError:  # a wrapper without the state the list reads
+    except AttributeError as exc:  # a wrapper without the state the list reads
+        _say_once(f"the planned wrapper lacks {exc.name or exc}")
         return None
+
+
+_said: set[str] = set()
+
+
+def _say_once(reason: str) -> None:
+    """One INFO line per reason and process: why plans call ``run`` (never silent)."""
+    with _verdicts_lock:
+        if reason in _said:
+            return
+        _said.add(reason)
+    logger.info(
+        "flashinfer: plans call BatchPrefillWithRaggedKVCacheWrapper.run per layer, not the "
+        "direct ragged_run call: %s",
+        reason,
+    )
 
 
 def _built(wrapper: Any, utils: Any, heads: int, head_dim: int, pdl: bool) -> DirectRun | None:
@@ -216,6 +235,8 @@ def _prove(
 
 
 def clear_verdicts() -> None:
-    """Forget every proof (tests; a process that swapped its flashinfer)."""
+    """Forget every proof and every reason said (tests; a process that swapped its
+    flashinfer)."""
     with _verdicts_lock:
         _verdicts.clear()
+        _said.clear()

@@ -648,6 +648,7 @@ def install(monkeypatch: pytest.MonkeyPatch, *, internals: bool = False) -> Fake
 
     monkeypatch.setattr(plugin, "POOL", plugin.WrapperPool())
     monkeypatch.setattr(_flashinfer_direct, "_verdicts", {})
+    monkeypatch.setattr(_flashinfer_direct, "_said", set())
     fake = FakeFlashinfer(internals=internals)
     root, prefill, utils = fake.modules()
     monkeypatch.setitem(sys.modules, "flashinfer", root)
