@@ -23,9 +23,12 @@
 #     scripts/gpu/serving_round.sh 9 "$OUT"   # flashinfer's direct kernel call: its GPU tests
 #                                             # and the hot path's; part 8's A/B; torch-varlen
 #                                             # on the queries; API-raw
+#     scripts/gpu/serving_round.sh 10 "$OUT"  # the contract's host time per call on flashinfer,
+#                                             # this tree, .old/'s, this tree again; the direct
+#                                             # call's GPU test (one head dim: one JIT build)
 set -u
-part=${1:?usage: scripts/gpu/serving_round.sh 1|2|3|4|5|6|7|8|9 OUT}
-out=${2:?usage: scripts/gpu/serving_round.sh 1|2|3|4|5|6|7|8|9 OUT}
+part=${1:?usage: scripts/gpu/serving_round.sh 1..10 OUT}
+out=${2:?usage: scripts/gpu/serving_round.sh 1..10 OUT}
 mkdir -p "$out"
 . scripts/gpu/setup.sh || exit 1
 . scripts/gpu/boxed.sh  # step, boxed
@@ -145,8 +148,21 @@ print(",".join(str(r.randint(16, 512)) for _ in range(64)))')
         --workloads bge-m3-q4x32,bge-m3 --modes host,latency --backends flashinfer \
         --time-budget-s 25
     ;;
+10)
+    # 16/8 heads x 128, bf16: the JIT module the GPU test uses too (built once, first step)
+    contract=(benchmarks/contract_host.py --backend flashinfer --heads 16 --kv-heads 8
+        --head-dim 128 --dtype bfloat16 --lengths 32,32,32,32 --calls 1000 --rounds 5)
+    boxed 200 contract-new-1 python3 "${contract[@]}"
+    if [ -d .old/attn_backends ]; then
+        boxed 45 contract-old env PYTHONPATH="$PWD/.old:$PWD/.old/plugins:$PYTHONPATH" \
+            python3 "${contract[@]}"
+    fi
+    boxed 45 contract-new-2 python3 "${contract[@]}"
+    boxed 60 gpu-direct python3 -m pytest -q -p no:cacheprovider -rfE \
+        "tests/gpu/test_nvidia_gpu.py::test_flashinfer_calls_its_kernel_directly_once_proved[flashinfer]"
+    ;;
 *)
-    echo "part must be 1 to 9, got $part" >&2
+    echo "part must be 1 to 10, got $part" >&2
     exit 2
     ;;
 esac
