@@ -164,3 +164,20 @@ class TestConformanceWithTheDirectCall(NoCachePrefillConformance):
     @pytest.fixture(autouse=True)
     def _fake_flashinfer(self, monkeypatch):
         install(monkeypatch, internals=True)
+
+
+def test_a_call_that_may_not_read_the_device_leaves_the_proof_to_a_later_one(fake, monkeypatch):
+    """Under CUDA-graph capture or torch's sync debug mode the comparison would read the
+    device: such a call runs ``run`` alone, and the next call that may read proves the
+    direct call."""
+    from attn_backends_builtin import _flashinfer_direct
+
+    readable = iter([False, False, True])
+    monkeypatch.setattr(_flashinfer_direct, "_may_read", lambda device: next(readable))
+    spec = spec_of(torch.bfloat16, causal=True)
+    backend = FlashinferBackend.bind(spec, SM90)
+    _layers(backend, spec, LENGTHS, layers=4)
+    # two layers ran run alone, the third ran run and proved the direct call, the fourth ran
+    # it alone
+    assert len(fake.named(RUN)) == 3
+    assert len(fake.named(RAGGED)) == 2

@@ -19,7 +19,8 @@ known and proved:
 - proved once per process and kernel module: the first call runs both ``run`` and the direct
   call on the same input and compares them bit for bit. A difference or an error keeps ``run``
   for that module from then on, and a warning says so. A call made while a CUDA graph is being
-  captured proves nothing (the comparison reads the device) and runs ``run``.
+  captured, or under torch's sync debug mode, proves nothing (the comparison reads the device)
+  and runs ``run``; a later call proves it.
 """
 
 from __future__ import annotations
@@ -97,7 +98,7 @@ class ProvingRun:
         if verdict is True:
             return self._direct(q, k, v)
         expected: torch.Tensor = self._wrapper.run(q, k, v)
-        if verdict is None and not _capturing(q.device):
+        if verdict is None and _may_read(q.device):
             _prove(self._key, self._direct, expected, q, k, v)
         return expected
 
@@ -199,8 +200,13 @@ def _built(wrapper: Any, utils: Any, heads: int, head_dim: int, pdl: bool) -> Di
     return DirectRun(wrapper._cached_module.ragged_run, head, indptrs, tail, out_dtype)
 
 
-def _capturing(device: torch.device) -> bool:
-    return device.type == "cuda" and torch.cuda.is_current_stream_capturing()
+def _may_read(device: torch.device) -> bool:
+    """Whether this call may read the device to compare outputs: not while a CUDA graph is
+    captured, nor under torch's sync debug mode (a caller proving that its forward never
+    syncs); the proof waits for a later call then."""
+    if device.type != "cuda":
+        return True
+    return not torch.cuda.is_current_stream_capturing() and torch.cuda.get_sync_debug_mode() == 0
 
 
 def _prove(
@@ -213,14 +219,16 @@ def _prove(
 ) -> None:
     """Run ``direct`` on the input ``run`` just computed ``expected`` from and keep whether the
     two agree bit for bit (NaN where both are NaN) as ``key``'s verdict."""
+    problem: str | None
     try:
         got = direct(q, k, v)
+    except Exception as exc:  # any failure keeps run: the list is not the release's
+        same, problem = False, f"it raised {type(exc).__name__}: {exc}"
+    else:
         same = got.shape == expected.shape and bool(
             ((got == expected) | (got.isnan() & expected.isnan())).all()
         )
         problem = None if same else "its output differs from run's"
-    except Exception as exc:  # any failure keeps run: the list is not the release's
-        same, problem = False, f"it raised {type(exc).__name__}: {exc}"
     with _verdicts_lock:
         if key in _verdicts:
             return
