@@ -169,6 +169,24 @@ def unpack_hidden(hidden: torch.Tensor, cu_seq_lens: torch.Tensor) -> list[torch
     boundaries read by no attention layer (or by fewer than all of them): then the model let the
     sequences attend to each other. One sequence has no boundary to cross, so it is not asked.
     """
+    bounds = _served_bounds(hidden, cu_seq_lens)
+    if len(bounds) == 2:
+        return [hidden[0]]  # one sequence: no boundary that attention could have crossed
+    return [hidden[0, a:b] for a, b in itertools.pairwise(bounds)]
+
+
+def check_served(hidden: torch.Tensor, cu_seq_lens: torch.Tensor) -> None:
+    """`unpack_hidden`'s checks without the slices, for callers that keep the packed output.
+    A batch of one sequence is decided from the tensor's shape, without reading its values (a
+    device sync): it has no boundary to check."""
+    if cu_seq_lens.numel() > 2:
+        _served_bounds(hidden, cu_seq_lens)
+
+
+def _served_bounds(hidden: torch.Tensor, cu_seq_lens: torch.Tensor) -> list[int]:
+    """The prefix sums as ints, once checked to split ``hidden [1, T, C]`` and, for several
+    sequences, to have been served by every attention layer (`unpack_hidden` says which
+    errors)."""
     if not isinstance(hidden, torch.Tensor) or hidden.dim() != 3 or hidden.shape[0] != 1:
         shape = tuple(hidden.shape) if isinstance(hidden, torch.Tensor) else type(hidden).__name__
         raise IntegrationError(
@@ -197,7 +215,7 @@ def unpack_hidden(hidden: torch.Tensor, cu_seq_lens: torch.Tensor) -> list[torch
             f"{tokens} packed tokens: they must start at 0, never decrease and end at {tokens}"
         )
     if len(bounds) == 2:
-        return [hidden[0]]  # one sequence: no boundary that attention could have crossed
+        return bounds  # one sequence: no boundary that attention could have crossed
     found, served = _served.get(cu_seq_lens)
     if not found and cu_seq_lens.device != hidden.device:
         raise IntegrationError(
@@ -222,12 +240,5 @@ def unpack_hidden(hidden: torch.Tensor, cu_seq_lens: torch.Tensor) -> list[torch
             "outside attn_backends, across the packed sequences' boundaries. Run such a model "
             "on a padded batch instead"
         )
-    return [hidden[0, a:b] for a, b in itertools.pairwise(bounds)]
+    return bounds
 
-
-def check_served(hidden: torch.Tensor, cu_seq_lens: torch.Tensor) -> None:
-    """`unpack_hidden`'s checks without the slices, for callers that keep the packed output.
-    A batch of one sequence is decided from the tensor's shape, without reading its values (a
-    device sync): it has no boundary to check."""
-    if cu_seq_lens.numel() > 2:
-        unpack_hidden(hidden, cu_seq_lens)
