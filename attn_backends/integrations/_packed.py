@@ -241,4 +241,3 @@ def _served_bounds(hidden: torch.Tensor, cu_seq_lens: torch.Tensor) -> list[int]
             "on a padded batch instead"
         )
     return bounds
-

@@ -2,7 +2,9 @@
 
 ``BatchPrefillWithRaggedKVCacheWrapper`` is planned once per batch in ``prepare`` (host int32
 offsets, no device sync) and run per layer on strided views of the packed rows: no Q/K/V copy,
-no cache, only the output is allocated.
+no cache, only the output is allocated. Per layer a plan calls the compiled kernel with the
+argument list it fixed, where that call is known and proved (`_flashinfer_direct`), else the
+wrapper's ``run``.
 
 Plans own their state. A flashinfer wrapper keeps exactly one plan, so every plan holds a wrapper
 of its own, leased from a process-wide pool keyed by device, stream and kernel implementation,
