@@ -181,3 +181,82 @@ def test_a_call_that_may_not_read_the_device_leaves_the_proof_to_a_later_one(fak
     # it alone
     assert len(fake.named(RUN)) == 3
     assert len(fake.named(RAGGED)) == 2
+
+
+# The installed flashinfer, where there is one: its release and its run's list. Read from the
+# package's files, not imported (importing it needs its CUDA loader).
+
+HEAD = [
+    "self._float_workspace_buffer",
+    "self._int_workspace_buffer",
+    "self._plan_info",
+    "q",
+    "k",
+    "v",
+    "self._qo_indptr_buf",
+    "self._kv_indptr_buf",
+    "out",
+    "lse",
+    "mask_mode",
+    "TensorLayout[self._kv_layout].value",
+    "window_left",
+    "enable_pdl",
+]
+TAIL = [
+    "self._custom_mask_buf",
+    "self._mask_indptr_buf",
+    "_get_cache_alibi_slopes_buf(q.shape[1], self.device)",
+    "self._prefix_len_ptr",
+    "self._token_pos_in_items_ptr",
+    "self._max_item_len_ptr",
+    "logits_soft_cap",
+    "sm_scale",
+    "rope_scale",
+    "rope_theta",
+    "self._token_pos_in_items_len",
+    "k_sf",
+    "v_sf",
+]
+"""``ragged_run``'s arguments as the read releases' ``run`` writes them (`_built` follows it)."""
+
+
+def ragged_run_lists(source: str) -> tuple[list[str], list[str]]:
+    """The two lists ``BatchPrefillWithRaggedKVCacheWrapper.run`` builds for ``ragged_run``
+    without a JIT variant, as source expressions."""
+    import re
+
+    start = source.index("class BatchPrefillWithRaggedKVCacheWrapper")
+    run = source[start:]
+    head = re.search(r"run_args = \[(.*?)\n\s*\]", run, re.S)
+    tail = re.search(r"run_args \+= \[(.*?)\n\s*\]", run, re.S)
+    assert head is not None and tail is not None, "run builds no ragged_run list here"
+
+    def items(text: str) -> list[str]:  # one per line (an item may hold a comma)
+        return [line.strip().rstrip(",") for line in text.splitlines() if line.strip()]
+
+    return items(head.group(1)), items(tail.group(1))
+
+
+def test_the_installed_flashinfer_builds_the_list_the_direct_call_builds():
+    import importlib.metadata
+    import importlib.util
+    from pathlib import Path
+
+    from attn_backends_builtin._flashinfer_direct import READ_RELEASES
+
+    try:
+        release = importlib.metadata.version("flashinfer-python")
+    except importlib.metadata.PackageNotFoundError:
+        pytest.skip("flashinfer is not installed")
+    found = importlib.util.find_spec("flashinfer")
+    assert found is not None and found.origin is not None
+    source = (Path(found.origin).parent / "prefill.py").read_text()
+    head, tail = ragged_run_lists(source)
+    assert (head, tail) == (HEAD, TAIL), (
+        f"flashinfer {release}'s run passes ragged_run another list: read it and change "
+        "_flashinfer_direct._built (the per-module proof keeps run meanwhile)"
+    )
+    assert release in READ_RELEASES, (
+        f"flashinfer {release} builds the list the direct call builds; add it to READ_RELEASES "
+        "once its GPU test passes (plans call run meanwhile)"
+    )
