@@ -24,8 +24,9 @@
 #                                             # and the hot path's; part 8's A/B; torch-varlen
 #                                             # on the queries
 #     scripts/gpu/serving_round.sh 10 "$OUT"  # the contract's host time per call on flashinfer,
-#                                             # this tree, .old/'s, this tree again; the direct
-#                                             # call's GPU test (one head dim: one JIT build)
+#                                             # this tree, .old/'s, this tree again, and on
+#                                             # torch-varlen; the direct call's GPU test (one
+#                                             # head dim: one JIT build)
 set -u
 part=${1:?usage: scripts/gpu/serving_round.sh 1..10 OUT}
 out=${2:?usage: scripts/gpu/serving_round.sh 1..10 OUT}
@@ -157,6 +158,8 @@ print(",".join(str(r.randint(16, 512)) for _ in range(64)))')
             python3 "${contract[@]}"
     fi
     boxed 45 contract-new-2 python3 "${contract[@]}"
+    # torch-varlen on the same shapes (no JIT build): its kernel call's host time
+    boxed 45 contract-varlen python3 "${contract[@]/flashinfer/torch-varlen}"
     boxed 60 gpu-direct python3 -m pytest -q -p no:cacheprovider -rfE \
         "tests/gpu/test_nvidia_gpu.py::test_flashinfer_calls_its_kernel_directly_once_proved[flashinfer]"
     ;;
