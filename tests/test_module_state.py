@@ -19,7 +19,7 @@ from typing import Any, cast
 
 import pytest
 import torch
-from attn_backends_builtin import _aiter_binding, _flashinfer_jit, flex, trt
+from attn_backends_builtin import _aiter_binding, _flashinfer_direct, _flashinfer_jit, flex, trt
 from attn_backends_builtin import flashinfer as fi
 from attn_backends_builtin._flashinfer_common import CompletionMarker, StreamBuffers
 from attn_backends_builtin._flex_kernel import CompileState
@@ -332,6 +332,8 @@ def test_flashinfer_reset_empties_workspaces_pool_and_announcements(monkeypatch,
     monkeypatch.setattr(fi, "WORKSPACES", StreamBuffers(64))
     monkeypatch.setattr(fi, "POOL", fi.WrapperPool())
     monkeypatch.setattr(fi, "_announced", set())
+    monkeypatch.setattr(_flashinfer_direct, "_verdicts", {"a kernel module": True})
+    monkeypatch.setattr(_flashinfer_direct, "_said", {"a reason"})
     built = Counter()
     fake = types.ModuleType("flashinfer")
     fake.BatchPrefillWithRaggedKVCacheWrapper = built  # type: ignore[attr-defined]
@@ -354,6 +356,9 @@ def test_flashinfer_reset_empties_workspaces_pool_and_announcements(monkeypatch,
     assert fi.POOL.idle(key) == 0
     assert fi.POOL.lease(key, workspace) is not wrapper
     assert built.calls == 1, "after the reset a wrapper is built anew"
+    assert _flashinfer_direct._verdicts == {} and _flashinfer_direct._said == set(), (
+        "the direct call is proved again after the reset"
+    )
 
 
 def test_a_wrapper_given_back_under_the_pool_lock_does_not_deadlock():

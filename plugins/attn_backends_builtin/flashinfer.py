@@ -86,7 +86,7 @@ from ._flashinfer_common import (
     nonempty_lengths,
     stream_key,
 )
-from ._flashinfer_direct import RowsRun, plan_run
+from ._flashinfer_direct import RowsRun, clear_verdicts, plan_run
 from ._flashinfer_jit import kernel_module
 from ._flashinfer_rope import FLASHINFER_ROPE
 
@@ -176,12 +176,14 @@ def announce_first_use(module: JitModule) -> None:
 
 
 def clear_caches() -> None:
-    """Reset this plugin's process-wide state: the stream workspaces, the idle wrappers, and
-    which JIT modules were announced (announced again on their next first use)."""
+    """Reset this plugin's process-wide state: the stream workspaces, the idle wrappers, which
+    JIT modules were announced (announced again on their next first use), and the direct
+    kernel call's proofs (proved again on each module's next first call)."""
     WORKSPACES.clear()
     POOL.clear()
     with _announced_lock:
         _announced.clear()
+    clear_verdicts()
 
 
 @dataclass(frozen=True, eq=False)
