@@ -52,7 +52,8 @@ logger = logging.getLogger("attn_backends")
 
 _verdicts: dict[Hashable, bool] = {}
 """Per kernel module (`plan_run`'s ``key``): whether the direct call equalled ``run``."""
-_verdicts_lock = threading.Lock()
+_lock = threading.Lock()
+"""Guards `_verdicts` and `_said`."""
 
 
 class DirectRun:
@@ -124,19 +125,20 @@ def direct_run(wrapper: Any, heads: int, head_dim: int, pdl: bool) -> DirectRun 
     flashinfer = sys.modules.get("flashinfer")
     utils = sys.modules.get("flashinfer.utils")
     if flashinfer is None or utils is None:
+        _say_once("flashinfer and flashinfer.utils are not both loaded")
         return None
-    release = getattr(flashinfer, "__version__", None)
-    if release not in READ_RELEASES:
-        _say_once(f"flashinfer {release} is not a release whose run was read for the direct call")
-        return None
-    for variable in ("FLASHINFER_LOGLEVEL", "FLASHINFER_TRACE_DUMP"):
-        if os.environ.get(variable, "0") not in QUIET:
-            _say_once(f"{variable} is on, and it records each run call")
-            return None
     try:
+        release = flashinfer.__version__
+        if release not in READ_RELEASES:
+            _say_once(f"flashinfer {release} is not a release whose run was read for it")
+            return None
+        for variable in ("FLASHINFER_LOGLEVEL", "FLASHINFER_TRACE_DUMP"):
+            if os.environ.get(variable, "0") not in QUIET:
+                _say_once(f"{variable} is on, and it records each run call")
+                return None
         return _built(wrapper, utils, heads, head_dim, pdl)
-    except AttributeError as exc:  # a wrapper without the state the list reads
-        _say_once(f"the planned wrapper lacks {exc.name or exc}")
+    except AttributeError as exc:  # a library or wrapper without what the list reads
+        _say_once(f"flashinfer or its planned wrapper lacks {exc.name or exc}")
         return None
 
 
@@ -145,7 +147,7 @@ _said: set[str] = set()
 
 def _say_once(reason: str) -> None:
     """One INFO line per reason and process: why plans call ``run`` (never silent)."""
-    with _verdicts_lock:
+    with _lock:
         if reason in _said:
             return
         _said.add(reason)
@@ -229,7 +231,7 @@ def _prove(
             ((got == expected) | (got.isnan() & expected.isnan())).all()
         )
         problem = None if same else "its output differs from run's"
-    with _verdicts_lock:
+    with _lock:
         if key in _verdicts:
             return
         _verdicts[key] = same
@@ -245,6 +247,6 @@ def _prove(
 def clear_verdicts() -> None:
     """Forget every proof and every reason said (tests; a process that swapped its
     flashinfer)."""
-    with _verdicts_lock:
+    with _lock:
         _verdicts.clear()
         _said.clear()
