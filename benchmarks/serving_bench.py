@@ -424,10 +424,11 @@ def host_per_layer(paths: Paths, batch: list[str], encodes: int = 10) -> dict[st
     (`_hf_proof.mask_proof` and `proved`), as calls per forward and shares of the encodes'
     wall time (synchronised at the end of each).
 
-    And the kernel call's own wall time per layer (``kernel_call``: the backend's ``attend``;
-    on a GPU the host time that queues the kernel). And the same host time beyond the kernel
-    for two kinds of attention call apart: a call
-    that resolves its lane (`transformers._resolve`: the layout, the proof, the plan; once per
+    The kernel call's own wall time per layer (``kernel_call``: the backend's ``attend``; on a
+    GPU the host time that queues the kernel).
+
+    And the host time beyond the kernel for two kinds of attention call apart: a call that
+    resolves its lane (`transformers._resolve`: the layout, the proof, the plan; once per
     forward and class of call) and a call that reuses the lane an earlier layer of its forward
     resolved. A deep model makes the second kind at every layer but the first of each class,
     so its per-layer cost is what the depth multiplies; the first kind is a cost per forward,
