@@ -8,13 +8,19 @@ for bit; anything else (another release, logging on, an argument list that diffe
 
 from __future__ import annotations
 
+import importlib.metadata
+import importlib.util
 import logging
+import re
 import sys
+from pathlib import Path
 from typing import ClassVar
 
 import pytest
 import torch
+from attn_backends_builtin import _flashinfer_direct as flashinfer_direct
 from attn_backends_builtin import flashinfer as flashinfer_plugin
+from attn_backends_builtin._flashinfer_direct import READ_RELEASES
 from attn_backends_builtin.flashinfer import FlashinferBackend, FlashinferRopeBackend, RaggedPlan
 
 import attn_backends as ab
@@ -170,10 +176,8 @@ def test_a_call_that_may_not_read_the_device_leaves_the_proof_to_a_later_one(fak
     """Under CUDA-graph capture or torch's sync debug mode the comparison would read the
     device: such a call runs ``run`` alone, and the next call that may read proves the
     direct call."""
-    from attn_backends_builtin import _flashinfer_direct
-
     readable = iter([False, False, True])
-    monkeypatch.setattr(_flashinfer_direct, "_may_read", lambda device: next(readable))
+    monkeypatch.setattr(flashinfer_direct, "_may_read", lambda device: next(readable))
     spec = spec_of(torch.bfloat16, causal=True)
     backend = FlashinferBackend.bind(spec, SM90)
     _layers(backend, spec, LENGTHS, layers=4)
@@ -223,7 +227,6 @@ TAIL = [
 def ragged_run_lists(source: str) -> tuple[list[str], list[str]]:
     """The two lists ``BatchPrefillWithRaggedKVCacheWrapper.run`` builds for ``ragged_run``
     without a JIT variant, as source expressions."""
-    import re
 
     start = source.index("class BatchPrefillWithRaggedKVCacheWrapper")
     run = source[start:]
@@ -238,12 +241,6 @@ def ragged_run_lists(source: str) -> tuple[list[str], list[str]]:
 
 
 def test_the_installed_flashinfer_builds_the_list_the_direct_call_builds():
-    import importlib.metadata
-    import importlib.util
-    from pathlib import Path
-
-    from attn_backends_builtin._flashinfer_direct import READ_RELEASES
-
     try:
         release = importlib.metadata.version("flashinfer-python")
     except importlib.metadata.PackageNotFoundError:
