@@ -27,9 +27,15 @@
 #                                             # this tree, .old/'s, this tree again, and on
 #                                             # torch-varlen; the direct call's GPU test (one
 #                                             # head dim: one JIT build)
+#     scripts/gpu/serving_round.sh 11 "$OUT"  # the H200 rows of the serving issue on a fresh
+#                                             # machine: BGE-M3's workloads (packed, padded,
+#                                             # graph runner); API-raw; EmbeddingGemma's mask
+#                                             # share on torch-varlen (no head-dim-256 build)
+#     scripts/gpu/serving_round.sh 12 "$OUT"  # after 11 on the same warm machine: the direct
+#                                             # call's and the hot path's GPU tests; part 8's A/B
 set -u
-part=${1:?usage: scripts/gpu/serving_round.sh 1..10 OUT}
-out=${2:?usage: scripts/gpu/serving_round.sh 1..10 OUT}
+part=${1:?usage: scripts/gpu/serving_round.sh 1..12 OUT}
+out=${2:?usage: scripts/gpu/serving_round.sh 1..12 OUT}
 mkdir -p "$out"
 . scripts/gpu/setup.sh || exit 1
 . scripts/gpu/boxed.sh  # step, boxed
@@ -163,8 +169,32 @@ print(",".join(str(r.randint(16, 512)) for _ in range(64)))')
     boxed 60 gpu-direct python3 -m pytest -q -p no:cacheprovider -rfE \
         "tests/gpu/test_nvidia_gpu.py::test_flashinfer_calls_its_kernel_directly_once_proved[flashinfer]"
     ;;
+11)
+    # the first step builds flashinfer's head-dim-64 module (50-100 s on a fresh machine)
+    boxed 320 serving-bge python3 benchmarks/serving_bench.py --out "$out/serving-bge" \
+        --models bge-m3 --workloads "queries 1,queries 8,documents,bulk" \
+        --paths st-padded-sdpa,st-packed,st-packed-graphs --repeats 5 --host-time
+    boxed 45 bench-api-raw python3 benchmarks/bench.py --out "$out/bench" \
+        --workloads bge-m3-q4x32,bge-m3 --modes host,latency --backends flashinfer \
+        --time-budget-s 30
+    boxed 190 serving-gemma env ATTN_BACKEND=torch-varlen python3 benchmarks/serving_bench.py \
+        --out "$out/serving-gemma" --models embeddinggemma \
+        --workloads "queries 8,queries 1,documents" --paths st-padded-sdpa,st-packed \
+        --repeats 5 --host-time
+    ;;
+12)
+    # part 11's JIT cache (build/gpu-cache) is still there on the same warm machine; the
+    # head-dim-128 modules (fa3, and fa2 with fused RoPE) are built in the first step
+    nv=tests/gpu/test_nvidia_gpu.py
+    boxed 250 gpu-tests python3 -m pytest -q -p no:cacheprovider -rfE \
+        "$nv::test_flashinfer_calls_its_kernel_directly_once_proved" \
+        "$nv::test_forward_does_not_sync_the_host[flashinfer]" \
+        "$nv::test_forward_allocates_only_the_output[flashinfer]" \
+        tests/gpu/test_hot_path_gpu.py tests/gpu/test_graph_runner_gpu.py
+    serving_ab 150 70 70
+    ;;
 *)
-    echo "part must be 1 to 10, got $part" >&2
+    echo "part must be 1 to 12, got $part" >&2
     exit 2
     ;;
 esac
