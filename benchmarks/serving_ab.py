@@ -46,7 +46,7 @@ def main(argv: list[str] | None = None) -> int:
     device = torch.device(args.device)
     import attn_backends
 
-    for workload, padded, packed in bench.one_model_workloads(parser, args):
+    for workload, padded, packed, _ in bench.one_model_workloads(parser, args):
         for encode in (padded, packed, padded, packed):  # warm-up, both paths
             encode()
         rounds: dict[str, list[float]] = {"padded": [], "packed": []}

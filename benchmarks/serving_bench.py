@@ -52,7 +52,7 @@ import time
 from collections.abc import Callable, Iterator
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 
@@ -669,12 +669,25 @@ def add_one_model_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--cpu-tiny", action="store_true", help="the tiny models on CPU")
 
 
+class OneWorkload(NamedTuple):
+    """One workload of one model and the encodes of it that the one-model tools time."""
+
+    name: str
+    padded: Callable[[], object]
+    """sentence-transformers on padded sdpa (``st-padded-sdpa``)."""
+    packed: Callable[[], object]
+    """The library's packed path, its shared layouts dropped first (new boundaries each
+    batch, as ``st-packed`` is timed)."""
+    runner: Callable[[], object]
+    """sentence-transformers' tokenisation and pooling around `GraphRunner`
+    (``st-packed-graphs``; CUDA graphs on a GPU)."""
+
+
 def one_model_workloads(
     parser: argparse.ArgumentParser, args: argparse.Namespace
-) -> Iterator[tuple[str, Callable[[], object], Callable[[], object]]]:
-    """Each chosen workload of ``args.model`` with padded sdpa's and the packed path's encode
-    of it; the packed one drops the shared layouts first (new boundaries each batch, as
-    ``st-packed`` is timed). The model is built once, in a directory removed at the end."""
+) -> Iterator[OneWorkload]:
+    """Each chosen workload of ``args.model`` with the encodes of it (`OneWorkload`). The
+    model is built once, in a directory removed at the end."""
     tiny = bool(args.cpu_tiny)
     chosen = _chosen(workloads(False, tiny), args.workloads)
     if not chosen:
@@ -694,7 +707,10 @@ def one_model_workloads(
                 clear_layout_cache()
                 return paths.packed.encode(batch, batch_size=paths.batch_size)
 
-            yield workload, padded, packed
+            def runner(batch: list[str] = batch) -> object:
+                return paths.encode_runner(batch)
+
+            yield OneWorkload(workload, padded, packed, runner)
 
 
 def _chosen(found: dict[str, list[str]], prefixes: str | None) -> list[tuple[str, list[str]]]:

@@ -1,10 +1,12 @@
 """Where the host time of one model's encodes goes: cProfile of padded sdpa and of the
 library's packed path, the same workload, written side by side.
 
-For each path: ``--encodes`` encodes under the profiler after two unprofiled warm-ups, the
-packed path dropping its shared layouts before each encode (as `serving_bench.py` times it).
-Writes ``OUT/<workload>.<path>.txt`` (top functions by own time and by cumulative time, per
-encode) and prints each path's wall time per encode under the profiler.
+For each path in ``--paths`` (``padded``, ``packed``, ``runner``: sentence-transformers'
+tokenisation and pooling around `GraphRunner`, as `serving_bench.py`'s ``st-packed-graphs``):
+``--encodes`` encodes under the profiler after two unprofiled warm-ups, the packed path dropping
+its shared layouts before each encode (as `serving_bench.py` times it). Writes
+``OUT/<workload>.<path>.txt`` (top functions by own time and by cumulative time, per encode)
+and prints each path's wall time per encode under the profiler.
 """
 
 from __future__ import annotations
@@ -22,6 +24,9 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import serving_bench as bench
+
+PATHS = ("padded", "packed", "runner")
+"""The encodes of a workload this tool can profile (`serving_bench.OneWorkload`'s fields)."""
 
 
 def _report(profile: cProfile.Profile, encodes: int, rows: int) -> str:
@@ -46,14 +51,24 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--out", type=Path, required=True)
     parser.add_argument("--encodes", type=int, default=20)
     parser.add_argument("--rows", type=int, default=60, help="functions listed per order")
+    parser.add_argument(
+        "--paths",
+        default="padded,packed",
+        help=f"comma-separated, profiled in this order, from: {', '.join(PATHS)}",
+    )
     bench.add_one_model_arguments(parser)
     args = parser.parse_args(argv)
     if args.encodes < 1:
         parser.error("--encodes must be at least 1")
+    paths = [name.strip() for name in args.paths.split(",") if name.strip()]
+    unknown = sorted(set(paths) - set(PATHS))
+    if unknown or not paths:
+        parser.error(f"--paths takes {', '.join(PATHS)}; got {args.paths!r}")
     device = torch.device(args.device)
     args.out.mkdir(parents=True, exist_ok=True)
-    for workload, padded, packed in bench.one_model_workloads(parser, args):
-        for name, encode in (("padded", padded), ("packed", packed)):
+    for workload in bench.one_model_workloads(parser, args):
+        for name in paths:
+            encode = getattr(workload, name)
             encode()
             encode()
             bench._sync(device)
@@ -65,9 +80,9 @@ def main(argv: list[str] | None = None) -> int:
             bench._sync(device)
             profile.disable()
             per = (time.perf_counter() - start) / args.encodes * 1e3
-            stem = workload.split(" x ")[0].replace(" ", "-")
+            stem = workload.name.split(" x ")[0].replace(" ", "-")
             (args.out / f"{stem}.{name}.txt").write_text(_report(profile, args.encodes, args.rows))
-            print(f"{workload} {name}: {per:.2f} ms per encode under the profiler", flush=True)
+            print(f"{workload.name} {name}: {per:.2f} ms per encode under the profiler", flush=True)
     return 0
 
 

@@ -32,7 +32,8 @@
 #                                             # graph runner); API-raw; EmbeddingGemma's mask
 #                                             # share on torch-varlen (no head-dim-256 build)
 #     scripts/gpu/serving_round.sh 12 "$OUT"  # after 11 on the same warm machine: the direct
-#                                             # call's and the hot path's GPU tests; part 8's A/B
+#                                             # call's and the hot path's GPU tests; a profile
+#                                             # of the graph runner; Qwen3's rows
 set -u
 part=${1:?usage: scripts/gpu/serving_round.sh 1..12 OUT}
 out=${2:?usage: scripts/gpu/serving_round.sh 1..12 OUT}
@@ -191,7 +192,13 @@ print(",".join(str(r.randint(16, 512)) for _ in range(64)))')
         "$nv::test_forward_does_not_sync_the_host[flashinfer]" \
         "$nv::test_forward_allocates_only_the_output[flashinfer]" \
         tests/gpu/test_hot_path_gpu.py tests/gpu/test_graph_runner_gpu.py
-    serving_ab 150 70 70
+    # where the graph runner's time per batch goes, beside the eager paths'
+    boxed 90 profile-runner python3 benchmarks/serving_profile.py --out "$out/profile-runner" \
+        --model bge-m3 --workloads "queries 8,queries 1" --paths runner,packed,padded \
+        --encodes 40 --rows 80
+    boxed 200 serving-qwen3 python3 benchmarks/serving_bench.py --out "$out/serving-qwen3" \
+        --models qwen3 --workloads "queries 1,queries 8,documents" \
+        --paths st-padded-sdpa,st-packed,st-packed-graphs --repeats 5 --host-time
     ;;
 *)
     echo "part must be 1 to 12, got $part" >&2
