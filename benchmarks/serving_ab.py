@@ -11,16 +11,24 @@ to compare trees (``--label`` names the tree in the JSON lines it prints), e.g.:
 
 The packed path drops the shared layouts before every encode, as `serving_bench.py` does (each
 batch pays for its boundaries as a batch of new lengths does).
+
+``--floor`` adds a third path to the rounds of a one-text workload: the packed encode with the
+library's attention and mask hooks swapped for plain SDPA and no mask, i.e. what the packed path
+would cost if attention proved and checked nothing. No library can beat it; where it equals
+padded sdpa, packing has nothing to save on that workload. (Exact for one sequence without
+padding only; a workload of several texts reports no floor.)
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import statistics
 import sys
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -34,11 +42,77 @@ def _round(encode: Callable[[], object], repeats: int, device: torch.device) -> 
     return statistics.median(bench.synchronised_ms(encode, repeats, device))
 
 
+def _min_cosine(got: object, want: object) -> float:
+    """The smallest cosine similarity of two encodes' embeddings, row by row."""
+    a, b = torch.as_tensor(got).float(), torch.as_tensor(want).float()
+    return float(torch.nn.functional.cosine_similarity(a, b).min())
+
+
+def _plain_attention(
+    module: torch.nn.Module,
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    attention_mask: torch.Tensor | None,
+    dropout: float = 0.0,
+    scaling: float | None = None,
+    is_causal: bool | None = None,
+    **kwargs: Any,
+) -> tuple[torch.Tensor, None]:
+    """SDPA on the one sequence as given, no mask, no check: the floor's attention."""
+    causal = bool(is_causal if is_causal is not None else getattr(module, "is_causal", False))
+    out = torch.nn.functional.scaled_dot_product_attention(
+        query,
+        key,
+        value,
+        is_causal=causal,
+        scale=scaling,
+        enable_gqa=key.shape[1] != query.shape[1],
+    )
+    return out.transpose(1, 2), None
+
+
+def _no_mask(*args: Any, **kwargs: Any) -> None:
+    return None
+
+
+@contextlib.contextmanager
+def _hooks_free(name: str) -> Iterator[None]:
+    """transformers' attention and mask functions registered as ``name`` swapped for the
+    floor's (`_plain_attention`, no mask), restored on exit."""
+    from transformers import AttentionInterface
+    from transformers.masking_utils import AttentionMaskInterface
+
+    attention, masks = AttentionInterface._global_mapping, AttentionMaskInterface._global_mapping
+    kept = attention[name], masks[name]
+    attention[name], masks[name] = _plain_attention, _no_mask
+    try:
+        yield
+    finally:
+        attention[name], masks[name] = kept
+
+
+def _floor(packed: Callable[[], object]) -> Callable[[], object]:
+    """``packed`` run with the library's hooks free (`_hooks_free`)."""
+    from attn_backends.integrations.transformers import DEFAULT_NAME
+
+    def encode() -> object:
+        with _hooks_free(DEFAULT_NAME):
+            return packed()
+
+    return encode
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--label", default="this tree", help="names the code tree in the output")
     parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--repeats", type=int, default=10)
+    parser.add_argument(
+        "--floor",
+        action="store_true",
+        help="also time a one-text workload's packed encode with the library's hooks free",
+    )
     bench.add_one_model_arguments(parser)
     args = parser.parse_args(argv)
     if args.rounds < 1 or args.repeats < 1:
@@ -46,29 +120,41 @@ def main(argv: list[str] | None = None) -> int:
     device = torch.device(args.device)
     import attn_backends
 
-    for workload, padded, packed, _ in bench.one_model_workloads(parser, args):
-        for encode in (padded, packed, padded, packed):  # warm-up, both paths
-            encode()
-        rounds: dict[str, list[float]] = {"padded": [], "packed": []}
+    for workload in bench.one_model_workloads(parser, args):
+        encodes = {"padded": workload.padded, "packed": workload.packed}
+        floor_wrong: str | None = None
+        if args.floor and workload.texts == 1:
+            floor = _floor(workload.packed)
+            cosine = _min_cosine(floor(), workload.padded())
+            if cosine >= (0.9999 if device.type == "cpu" else 0.99):
+                encodes["floor"] = floor
+            else:  # a window, soft cap, sinks...: plain SDPA is not this model's attention
+                floor_wrong = f"plain SDPA is not this model's attention: min cosine {cosine:.6f}"
+        for _ in range(2):  # warm-up, every path
+            for encode in encodes.values():
+                encode()
+        rounds: dict[str, list[float]] = {name: [] for name in encodes}
         for _ in range(args.rounds):
-            rounds["padded"].append(_round(padded, args.repeats, device))
-            rounds["packed"].append(_round(packed, args.repeats, device))
+            for name, encode in encodes.items():
+                rounds[name].append(_round(encode, args.repeats, device))
         best = {name: min(values) for name, values in rounds.items()}
-        print(
-            json.dumps(
-                {
-                    "label": args.label,
-                    "library": str(Path(attn_backends.__file__).parent),
-                    "model": args.model,
-                    "workload": workload,
-                    "padded_ms": round(best["padded"], 3),
-                    "packed_ms": round(best["packed"], 3),
-                    "packed_over_padded": round(best["packed"] / best["padded"], 3),
-                    "rounds_ms": {k: [round(v, 3) for v in vs] for k, vs in rounds.items()},
-                }
-            ),
-            flush=True,
-        )
+        report = {
+            "label": args.label,
+            "library": str(Path(attn_backends.__file__).parent),
+            "model": args.model,
+            "workload": workload.name,
+            "padded_ms": round(best["padded"], 3),
+            "packed_ms": round(best["packed"], 3),
+            "packed_over_padded": round(best["packed"] / best["padded"], 3),
+        }
+        if "floor" in best:
+            report["floor_ms"] = round(best["floor"], 3)
+            report["floor_over_padded"] = round(best["floor"] / best["padded"], 3)
+        elif args.floor:
+            report["floor_ms"] = None
+            report["no_floor"] = floor_wrong or "several texts: plain SDPA would mix them"
+        report["rounds_ms"] = {k: [round(v, 3) for v in vs] for k, vs in rounds.items()}
+        print(json.dumps(report), flush=True)
     return 0
 
 

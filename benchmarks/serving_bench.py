@@ -673,6 +673,8 @@ class OneWorkload(NamedTuple):
     """One workload of one model and the encodes of it that the one-model tools time."""
 
     name: str
+    texts: int
+    """How many texts each encode embeds."""
     padded: Callable[[], object]
     """sentence-transformers on padded sdpa (``st-padded-sdpa``)."""
     packed: Callable[[], object]
@@ -710,7 +712,7 @@ def one_model_workloads(
             def runner(batch: list[str] = batch) -> object:
                 return paths.encode_runner(batch)
 
-            yield OneWorkload(workload, padded, packed, runner)
+            yield OneWorkload(workload, len(batch), padded, packed, runner)
 
 
 def _chosen(found: dict[str, list[str]], prefixes: str | None) -> list[tuple[str, list[str]]]:
