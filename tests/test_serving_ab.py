@@ -5,6 +5,7 @@ elsewhere."""
 from __future__ import annotations
 
 import json
+from typing import Any
 
 import pytest
 
@@ -15,7 +16,7 @@ from tests.script_support import load_script
 ARGS = ["--cpu-tiny", "--device", "cpu", "--rounds", "1", "--repeats", "1", "--floor"]
 
 
-def _lines(capsys) -> list[dict]:
+def _lines(capsys: pytest.CaptureFixture[str]) -> list[dict[str, Any]]:
     return [json.loads(line) for line in capsys.readouterr().out.splitlines() if line]
 
 
