@@ -53,11 +53,10 @@ def _plain_attention(
     query: torch.Tensor,
     key: torch.Tensor,
     value: torch.Tensor,
-    attention_mask: torch.Tensor | None,
-    dropout: float = 0.0,
+    *_: Any,
     scaling: float | None = None,
     is_causal: bool | None = None,
-    **kwargs: Any,
+    **__: Any,
 ) -> tuple[torch.Tensor, None]:
     """SDPA on the one sequence as given, no mask, no check: the floor's attention."""
     causal = bool(is_causal if is_causal is not None else getattr(module, "is_causal", False))

@@ -68,6 +68,18 @@ serving_ab() {
         "${args[@]}"
 }
 
+# BGE-M3's issue rows (1 and 8 queries, documents, bulk; padded sdpa, packed, graph runner)
+# with the host time per layer, then API-raw; $1 $2: their boxes in seconds, $3: bench.py's
+# time budget
+bge_rows() {
+    boxed "$1" serving-bge python3 benchmarks/serving_bench.py --out "$out/serving-bge" \
+        --models bge-m3 --workloads "queries 1,queries 8,documents,bulk" \
+        --paths st-padded-sdpa,st-packed,st-packed-graphs --repeats 5 --host-time
+    boxed "$2" bench-api-raw python3 benchmarks/bench.py --out "$out/bench" \
+        --workloads bge-m3-q4x32,bge-m3 --modes host,latency --backends flashinfer \
+        --time-budget-s "$3"
+}
+
 step "part $part on $(nvidia-smi --query-gpu=name,driver_version --format=csv,noheader)"
 python3 -c "import torch, transformers, sentence_transformers as s; print(torch.__version__, \
 transformers.__version__, s.__version__)" | tee -a "$out/steps.log"
@@ -127,12 +139,7 @@ print(",".join(str(r.randint(16, 512)) for _ in range(64)))')
 7)
     boxed 180 gpu-hot-path python3 -m pytest -q -p no:cacheprovider -rfE \
         tests/gpu/test_hot_path_gpu.py tests/gpu/test_graph_runner_gpu.py
-    boxed 220 serving-bge python3 benchmarks/serving_bench.py --out "$out/serving-bge" \
-        --models bge-m3 --workloads "queries 1,queries 8,documents,bulk" \
-        --paths st-padded-sdpa,st-packed,st-packed-graphs --repeats 5 --host-time
-    boxed 40 bench-api-raw python3 benchmarks/bench.py --out "$out/bench" \
-        --workloads bge-m3-q4x32,bge-m3 --modes host,latency --backends flashinfer \
-        --time-budget-s 25
+    bge_rows 220 40 25
     boxed 60 profile-bge python3 benchmarks/serving_profile.py --out "$out/profile-bge" \
         --model bge-m3 --workloads "queries 8,queries 1" --encodes 40 --rows 80
     ;;
@@ -172,12 +179,7 @@ print(",".join(str(r.randint(16, 512)) for _ in range(64)))')
     ;;
 11)
     # the first step builds flashinfer's head-dim-64 module (50-100 s on a fresh machine)
-    boxed 320 serving-bge python3 benchmarks/serving_bench.py --out "$out/serving-bge" \
-        --models bge-m3 --workloads "queries 1,queries 8,documents,bulk" \
-        --paths st-padded-sdpa,st-packed,st-packed-graphs --repeats 5 --host-time
-    boxed 45 bench-api-raw python3 benchmarks/bench.py --out "$out/bench" \
-        --workloads bge-m3-q4x32,bge-m3 --modes host,latency --backends flashinfer \
-        --time-budget-s 30
+    bge_rows 320 45 30
     boxed 190 serving-gemma env ATTN_BACKEND=torch-varlen python3 benchmarks/serving_bench.py \
         --out "$out/serving-gemma" --models embeddinggemma \
         --workloads "queries 8,queries 1,documents" --paths st-padded-sdpa,st-packed \
