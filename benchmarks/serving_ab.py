@@ -13,10 +13,10 @@ The packed path drops the shared layouts before every encode, as `serving_bench.
 batch pays for its boundaries as a batch of new lengths does).
 
 ``--floor`` adds a third path to the rounds of a one-text workload: the packed encode with the
-library's attention and mask hooks swapped for plain SDPA and no mask, i.e. what the packed path
-would cost if attention proved and checked nothing. No library can beat it; where it equals
-padded sdpa, packing has nothing to save on that workload. (Exact for one sequence without
-padding only; a workload of several texts reports no floor.)
+library's attention and mask hooks swapped for transformers' own sdpa attention and no mask,
+i.e. what the packed path would cost if attention proved and checked nothing. No library can
+beat it; where it equals padded sdpa, packing has nothing to save on that workload. (Exact
+for one sequence without padding only; a workload of several texts reports no floor.)
 """
 
 from __future__ import annotations
@@ -42,49 +42,22 @@ def _round(encode: Callable[[], object], repeats: int, device: torch.device) -> 
     return statistics.median(bench.synchronised_ms(encode, repeats, device))
 
 
-def _min_cosine(got: object, want: object) -> float:
-    """The smallest cosine similarity of two encodes' embeddings, row by row."""
-    a, b = torch.as_tensor(got).float(), torch.as_tensor(want).float()
-    return float(torch.nn.functional.cosine_similarity(a, b).min())
-
-
-def _plain_attention(
-    module: torch.nn.Module,
-    query: torch.Tensor,
-    key: torch.Tensor,
-    value: torch.Tensor,
-    *_: Any,
-    scaling: float | None = None,
-    is_causal: bool | None = None,
-    **__: Any,
-) -> tuple[torch.Tensor, None]:
-    """SDPA on the one sequence as given, no mask, no check: the floor's attention."""
-    causal = bool(is_causal if is_causal is not None else getattr(module, "is_causal", False))
-    out = torch.nn.functional.scaled_dot_product_attention(
-        query,
-        key,
-        value,
-        is_causal=causal,
-        scale=scaling,
-        enable_gqa=key.shape[1] != query.shape[1],
-    )
-    return out.transpose(1, 2), None
-
-
 def _no_mask(*args: Any, **kwargs: Any) -> None:
+    """The floor's mask function: no mask (transformers' sdpa attention then runs unmasked)."""
     return None
 
 
 @contextlib.contextmanager
 def _hooks_free(name: str) -> Iterator[None]:
     """transformers' attention and mask functions registered as ``name`` swapped for the
-    floor's (`_plain_attention`, no mask), restored on exit."""
+    floor's (transformers' own ``sdpa`` attention, the padded path's, given no mask), restored
+    on exit."""
     from transformers import AttentionInterface
     from transformers.masking_utils import AttentionMaskInterface
 
     attention, masks = AttentionInterface._global_mapping, AttentionMaskInterface._global_mapping
     kept = attention[name], masks[name]
-    attention[name], masks[name] = _plain_attention, _no_mask
+    attention[name], masks[name] = attention["sdpa"], _no_mask
     try:
         yield
     finally:
@@ -124,11 +97,13 @@ def main(argv: list[str] | None = None) -> int:
         floor_wrong: str | None = None
         if args.floor and workload.texts == 1:
             floor = _floor(workload.packed)
-            cosine = _min_cosine(floor(), workload.padded())
-            if cosine >= (0.9999 if device.type == "cpu" else 0.99):
+            cosine = bench.min_cosine(floor(), workload.padded())
+            if cosine >= bench.cosine_bound(workload.dtype):
                 encodes["floor"] = floor
-            else:  # a window, soft cap, sinks...: plain SDPA is not this model's attention
-                floor_wrong = f"plain SDPA is not this model's attention: min cosine {cosine:.6f}"
+            else:  # a window, soft cap, sinks...: unmasked SDPA is not this model's attention
+                floor_wrong = (
+                    f"unmasked SDPA is not this model's attention: min cosine {cosine:.6f}"
+                )
         for _ in range(2):  # warm-up, every path
             for encode in encodes.values():
                 encode()
@@ -151,7 +126,7 @@ def main(argv: list[str] | None = None) -> int:
             report["floor_over_padded"] = round(best["floor"] / best["padded"], 3)
         elif args.floor:
             report["floor_ms"] = None
-            report["no_floor"] = floor_wrong or "several texts: plain SDPA would mix them"
+            report["no_floor"] = floor_wrong or "several texts: unmasked SDPA would mix them"
         report["rounds_ms"] = {k: [round(v, 3) for v in vs] for k, vs in rounds.items()}
         print(json.dumps(report), flush=True)
     return 0

@@ -242,6 +242,18 @@ def synchronised_ms(fn: Callable[[], object], repeats: int, device: torch.device
     return times
 
 
+def cosine_bound(dtype: torch.dtype) -> float:
+    """The least cosine similarity to padded sdpa's embeddings a path's embeddings must reach
+    per text in ``dtype`` before it is timed (bf16 rounds far more than float32)."""
+    return 0.9999 if dtype == torch.float32 else 0.99
+
+
+def min_cosine(got: object, want: object) -> float:
+    """The smallest cosine similarity of two encodes' embeddings, text by text."""
+    a, b = torch.as_tensor(got).float(), torch.as_tensor(want).float()
+    return float(torch.nn.functional.cosine_similarity(a, b).min())
+
+
 def _percentile(values: list[float], q: float) -> float:
     ordered = sorted(values)
     return ordered[min(len(ordered) - 1, math.ceil(q * len(ordered)) - 1)]
@@ -591,7 +603,7 @@ def run_workload(
     ]
     tokens = sum(len(x) for x in paths.padded.tokenizer(batch, truncation=True)["input_ids"])
     reference: torch.Tensor | None = None
-    tolerance = 0.9999 if paths.dtype == torch.float32 else 0.99
+    tolerance = cosine_bound(paths.dtype)
     assert [c[0] for c in candidates] == list(PATHS)  # the two lists name the same paths
     for name, fn, why in candidates:
         result = PathResult(name, tokens=tokens)
@@ -612,7 +624,7 @@ def run_workload(
             else:
                 got = fn().float()
             assert reference is not None
-            result.min_cosine = float(torch.nn.functional.cosine_similarity(got, reference).min())
+            result.min_cosine = min_cosine(got, reference)
             if result.min_cosine < tolerance:
                 result.status = f"wrong output: min cosine {result.min_cosine:.6f}"
                 yield result
@@ -675,6 +687,8 @@ class OneWorkload(NamedTuple):
     name: str
     texts: int
     """How many texts each encode embeds."""
+    dtype: torch.dtype
+    """The models' dtype (`cosine_bound`)."""
     padded: Callable[[], object]
     """sentence-transformers on padded sdpa (``st-padded-sdpa``)."""
     packed: Callable[[], object]
@@ -712,7 +726,7 @@ def one_model_workloads(
             def runner(batch: list[str] = batch) -> object:
                 return paths.encode_runner(batch)
 
-            yield OneWorkload(workload, len(batch), padded, packed, runner)
+            yield OneWorkload(workload, len(batch), paths.dtype, padded, packed, runner)
 
 
 def _chosen(found: dict[str, list[str]], prefixes: str | None) -> list[tuple[str, list[str]]]:
